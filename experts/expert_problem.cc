@@ -1,0 +1,52 @@
+// Generation of expert-layer problems; see expert_problem.h.
+#include "experts/expert_problem.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+
+#include <cmath>
+
+namespace moefit::experts {
+
+ExpertProblem MakeExpertProblem(const ExpertProblemShape& s, at::ScalarType dtype,
+                                uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor ids;
+  switch (s.pattern) {
+    case RoutingPattern::kUniform:
+      ids = at::randint(s.num_experts, {s.num_tokens * s.top_k}, gen, at::kLong);
+      break;
+    case RoutingPattern::kSkewed: {
+      at::Tensor w = 1.0 / at::arange(1, s.num_experts + 1, f32).pow(1.2);
+      ids = at::multinomial(w, s.num_tokens * s.top_k, /*replacement=*/true, gen);
+      break;
+    }
+    case RoutingPattern::kOneExpert:
+      ids = at::zeros({s.num_tokens * s.top_k}, at::kLong);
+      break;
+    case RoutingPattern::kSomeEmpty:
+      ids = at::randint((s.num_experts + 1) / 2, {s.num_tokens * s.top_k}, gen, at::kLong) * 2;
+      break;
+  }
+  at::Tensor counts_t = at::bincount(ids, {}, s.num_experts);
+  ExpertProblem p;
+  p.counts.assign(counts_t.data_ptr<int64_t>(), counts_t.data_ptr<int64_t>() + s.num_experts);
+  const int64_t rows = s.num_tokens * s.top_k;
+  p.x = at::randn({rows, s.hidden}, gen, f32).to(dtype);
+  p.grad_y = at::randn({rows, s.hidden}, gen, f32).to(dtype);
+  p.gate_up_proj = (at::randn({s.num_experts, 2 * s.intermediate, s.hidden}, gen, f32) /
+                    std::sqrt(static_cast<double>(s.hidden)))
+                       .to(dtype);
+  p.down_proj = (at::randn({s.num_experts, s.hidden, s.intermediate}, gen, f32) /
+                 std::sqrt(static_cast<double>(s.intermediate)))
+                    .to(dtype);
+  return p;
+}
+
+double ExpertForwardFlops(const ExpertProblemShape& s) {
+  const double rows = static_cast<double>(s.num_tokens * s.top_k);
+  return 2.0 * rows * s.hidden * (2.0 * s.intermediate) + 2.0 * rows * s.intermediate * s.hidden;
+}
+
+}  // namespace moefit::experts

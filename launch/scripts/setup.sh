@@ -40,9 +40,11 @@ done
 if [ ${#missing[@]} -gt 0 ]; then
   echo "moefit setup: installing Debian packages: ${missing[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  as_root apt-get update -qq || die "apt-get update failed"
-  as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" \
-    || die "could not install Debian packages: ${missing[*]}"
+  log=$(mktemp)
+  as_root apt-get update -qq >"$log" 2>&1 || { cat "$log" >&2; die "apt-get update failed"; }
+  as_root apt-get install -y -qq --no-install-recommends "${missing[@]}" >"$log" 2>&1 \
+    || { tail -n 30 "$log" >&2; die "could not install Debian packages: ${missing[*]}"; }
+  rm -f "$log"
 fi
 
 # --- Python environment with LibTorch and the interop clients --------------

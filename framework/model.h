@@ -1,0 +1,103 @@
+// The MoE decoder-only transformer shared by every family.
+//
+// embedding -> N x [RMSNorm -> GQA causal attention (RoPE; optional per-head
+// q/k RMSNorm; optional q/k/v bias) -> residual -> RMSNorm -> MoE block or
+// dense SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied or not).
+//
+// The dense parts live on the dense device (CUDA when available, else CPU);
+// routed experts live on the CPU in the packed layout and are computed by an
+// expert backend; only activations cross between the two. Parameters are plain
+// leaf tensors named as in HF transformers v5, so that checkpoints map onto
+// them by name.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "framework/model_options.h"
+
+namespace moefit::experts {
+class ExpertBackend;
+}
+
+namespace moefit::framework {
+
+struct ModelRuntime {
+  c10::Device dense_device = c10::kCPU;
+  // Storage and compute dtype of the routed experts (float32 or bfloat16).
+  at::ScalarType expert_dtype = at::kFloat;
+  std::string expert_backend = "grouped";
+  int expert_threads = 0;  // 0 = the process's intra-op thread count
+};
+
+struct Parameter {
+  std::string name;   // e.g. model.layers.0.mlp.experts.gate_up_proj
+  at::Tensor tensor;  // a leaf with requires_grad
+  bool weight_decay = true;  // false for norms and biases
+  bool expert = false;       // routed-expert weight (CPU resident)
+};
+
+// What one MoE layer's router saw in a forward pass.
+struct MoeLayerRouting {
+  int64_t layer_idx = 0;
+  at::Tensor prob_sum;      // [E] fp32, differentiable (for the balance loss)
+  at::Tensor expert_count;  // [E] fp32 assignments per expert, CPU
+  int64_t num_tokens = 0;
+};
+
+struct ForwardResult {
+  at::Tensor logits;  // [B, T, vocab] fp32 on the dense device
+  std::vector<MoeLayerRouting> moe_layers;
+};
+
+class MoeModel {
+ public:
+  // Builds the model with weights drawn from N(0, initializer_range) (norms 1,
+  // biases 0) from a generator seeded with `seed`, independent of the device.
+  static absl::StatusOr<std::unique_ptr<MoeModel>> Create(const ModelOptions& options,
+                                                          const ModelRuntime& runtime,
+                                                          uint64_t seed);
+  ~MoeModel();
+
+  // input_ids: [B, T] int64 (any device).
+  ForwardResult Forward(const at::Tensor& input_ids);
+
+  const std::vector<Parameter>& parameters() const { return params_; }
+  const ModelOptions& options() const { return options_; }
+  const ModelRuntime& runtime() const { return runtime_; }
+
+ private:
+  struct Layer;
+  MoeModel(const ModelOptions& options, const ModelRuntime& runtime);
+  void Build(uint64_t seed);
+  at::Tensor Attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos,
+                       const at::Tensor& sin);
+  at::Tensor Moe(const Layer& layer, const at::Tensor& x, MoeLayerRouting* routing);
+
+  ModelOptions options_;
+  ModelRuntime runtime_;
+  std::unique_ptr<experts::ExpertBackend> backend_;
+  std::vector<Parameter> params_;
+  std::vector<Layer> layers_;
+  at::Tensor embed_tokens_, final_norm_, lm_head_;
+};
+
+// Sum over positions of next-token cross entropy (logits[:, t] predicts
+// labels[:, t + 1]; label -100 is not trained on) and the number of positions
+// counted. Dividing by a global token count gives the mean over a global batch.
+struct LossSum {
+  at::Tensor sum;  // scalar fp32, differentiable
+  int64_t num_tokens = 0;
+};
+LossSum CausalLmLossSum(const at::Tensor& logits, const at::Tensor& labels);
+
+// Number of positions CausalLmLossSum would count for `labels`.
+int64_t CountTrainedTokens(const at::Tensor& labels);
+
+}  // namespace moefit::framework

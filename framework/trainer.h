@@ -1,0 +1,88 @@
+// The training loop: global batches, gradient accumulation, AdamW with a
+// warm-up + cosine schedule, global-norm clipping, progress and metrics.
+//
+// The loss of a step is the sum of per-token cross entropies over the whole
+// global batch divided by the number of trained tokens in it (not a mean of
+// per-micro-batch means), so that any split of the batch into micro-batches —
+// or, later, ranks — gives the same loss and the same gradients. The balance
+// loss is HF's: over all MoE layers' routing decisions of a micro-batch,
+// scaled by router_aux_loss_coef and averaged over micro-batches.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "framework/data.h"
+#include "framework/model.h"
+
+namespace moefit::framework {
+
+struct OptimizerOptions {
+  double lr = 3e-4;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double max_grad_norm = 1.0;  // 0 = no clipping
+};
+
+struct ScheduleOptions {
+  int64_t warmup_steps = 0;
+  double min_lr_ratio = 0.1;
+};
+
+struct TrainOptions {
+  int64_t steps = 100;
+  int64_t micro_batch_size = 8;
+  int64_t grad_accum_steps = 1;
+  uint64_t seed = 0;
+  OptimizerOptions optimizer;
+  ScheduleOptions schedule;
+  std::string metrics_file;  // JSON Lines; empty = none
+  int64_t log_every = 1;
+};
+
+// Learning rate of optimizer step `step` (0-based): linear warm-up to lr over
+// warmup_steps, then cosine decay to lr * min_lr_ratio at the last step.
+double ScheduledLr(const TrainOptions& options, int64_t step);
+
+struct LayerLoad {
+  int64_t layer_idx = 0;
+  std::vector<int64_t> tokens_per_expert;
+  double max_over_mean = 0;
+};
+
+struct StepStats {
+  int64_t step = 0;  // 1-based, as printed
+  double loss = 0;       // cross entropy per trained token
+  double aux_loss = 0;   // balance loss (unscaled), mean over micro-batches
+  double lr = 0;
+  double grad_norm = 0;  // before clipping
+  int64_t tokens = 0;    // tokens processed in the step
+  double seconds = 0;
+  std::vector<LayerLoad> moe_layers;
+};
+
+class Trainer {
+ public:
+  Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& options);
+  ~Trainer();
+
+  // One optimizer step over global batch `step` (0-based).
+  StepStats Step(int64_t step);
+
+  // All steps; prints a progress line per step to `log` and appends metrics.
+  // Returns the per-step stats.
+  absl::StatusOr<std::vector<StepStats>> Run(std::ostream& log);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moefit::framework

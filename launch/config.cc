@@ -1,0 +1,449 @@
+// Config loading, overrides and resolution; see config.h.
+#include "launch/config.h"
+
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/io/tokenizer.h>
+#include <google/protobuf/text_format.h>
+#include <google/protobuf/util/json_util.h>
+#include <torch/cuda.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "absl/status/status.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+#include "experts/registry.h"
+#include "framework/families/family.h"
+#include "proto/status_macros.h"
+
+namespace moefit::launch {
+
+namespace pb = google::protobuf;
+
+const char kDemoConfig[] = R"pb(
+  model {
+    model_type: "qwen3_moe"
+    vocab_size: 256
+    hidden_size: 128
+    intermediate_size: 384
+    moe_intermediate_size: 128
+    num_hidden_layers: 4
+    num_attention_heads: 4
+    num_key_value_heads: 2
+    head_dim: 32
+    num_experts: 8
+    num_experts_per_tok: 2
+    norm_topk_prob: true
+    router_aux_loss_coef: 0.01
+    rope_theta: 10000
+    max_position_embeddings: 1024
+    tie_word_embeddings: false
+  }
+  train { steps: 400 micro_batch_size: 16 grad_accum_steps: 1 seq_len: 128 seed: 1234 }
+  optimizer { lr: 3e-3 weight_decay: 0.1 beta1: 0.9 beta2: 0.95 eps: 1e-8 max_grad_norm: 1.0 }
+  schedule { warmup_steps: 30 min_lr_ratio: 0.1 }
+  logging { metrics_file: "moefit-metrics.jsonl" }
+)pb";
+
+namespace {
+
+const char kDefaults[] = R"pb(
+  data { format: "text" }
+  optimizer { lr: 3e-4 weight_decay: 0.1 beta1: 0.9 beta2: 0.95 eps: 1e-8 max_grad_norm: 1.0 }
+  schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
+  train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
+  experts { backend: "grouped" dtype: "float32" num_threads: 0 }
+  parallel { device: "auto" }
+  logging { log_every: 1 }
+)pb";
+
+// Collects the first text-format error as "file:line:col: message".
+class FirstError : public pb::io::ErrorCollector {
+ public:
+  explicit FirstError(std::string source) : source_(std::move(source)) {}
+  void AddError(int line, pb::io::ColumnNumber column, const std::string& message) override {
+    if (error_.empty()) error_ = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string source_;
+  std::string error_;
+};
+
+absl::Status MergeText(const std::string& text, const std::string& source, pb::Message* msg) {
+  FirstError errors(source);
+  pb::TextFormat::Parser parser;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.MergeFromString(text, msg)) {
+    return absl::InvalidArgumentError(errors.error().empty() ? source + ": cannot parse"
+                                                             : errors.error());
+  }
+  return absl::OkStatus();
+}
+
+std::string FieldNames(const pb::Descriptor* d) {
+  std::vector<std::string> names;
+  for (int i = 0; i < d->field_count(); ++i) names.push_back(d->field(i)->name());
+  return absl::StrJoin(names, ", ");
+}
+
+absl::StatusOr<std::string> ReadFile(const std::string& path, const std::string& what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat(what, ": cannot open '", path, "'"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+absl::Status ApplyOverride(const std::string& assignment, proto::Config* config) {
+  const size_t eq = assignment.find('=');
+  if (eq == std::string::npos || eq == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--set '", assignment, "': expected FIELD=VALUE, e.g. optimizer.lr=3e-4"));
+  }
+  const std::string path = assignment.substr(0, eq);
+  std::string value = assignment.substr(eq + 1);
+  pb::Message* msg = config;
+  const std::vector<std::string> parts = absl::StrSplit(path, '.');
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const pb::Descriptor* d = msg->GetDescriptor();
+    const pb::FieldDescriptor* f = d->FindFieldByName(parts[i]);
+    const std::string prefix = absl::StrJoin(parts.begin(), parts.begin() + i, ".");
+    if (f == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--set ", assignment, ": unknown field '", parts[i], "' in ",
+          prefix.empty() ? "the config" : prefix, " (fields: ", FieldNames(d), ")"));
+    }
+    if (i + 1 < parts.size()) {
+      if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("--set ", assignment, ": '", parts[i], "' is not a message"));
+      }
+      msg = msg->GetReflection()->MutableMessage(msg, f);
+      continue;
+    }
+    if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set ", assignment, ": '", path, "' is a message; set one of its fields (",
+                       FieldNames(f->message_type()), ")"));
+    }
+    std::vector<std::string> values;
+    if (f->is_repeated()) {
+      absl::string_view v = absl::StripAsciiWhitespace(value);
+      absl::ConsumePrefix(&v, "[");
+      absl::ConsumeSuffix(&v, "]");
+      for (absl::string_view item : absl::StrSplit(v, ',', absl::SkipWhitespace())) {
+        values.emplace_back(absl::StripAsciiWhitespace(item));
+      }
+      msg->GetReflection()->ClearField(msg, f);
+    } else {
+      values.push_back(value);
+    }
+    for (std::string v : values) {
+      if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING && !absl::StartsWith(v, "\"")) {
+        v = absl::StrCat("\"", absl::CEscape(v), "\"");
+      }
+      FirstError ignored("--set");
+      pb::TextFormat::Parser parser;
+      parser.RecordErrorsTo(&ignored);
+      if (!parser.ParseFieldValueFromString(v, f, msg)) {
+        return absl::InvalidArgumentError(absl::StrCat("--set ", assignment, ": '", value,
+                                                       "' is not a valid ", f->cpp_type_name(),
+                                                       " for ", path));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model) {
+  MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "model.config_json"));
+  nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
+  }
+  // Newer config.json files keep rope_theta under rope_parameters.
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
+      j["rope_parameters"].contains("rope_theta") && !j.contains("rope_theta")) {
+    j["rope_theta"] = j["rope_parameters"]["rope_theta"];
+  }
+  // Mixtral names the expert count num_local_experts and the expert width
+  // intermediate_size.
+  if (j.value("model_type", "") == "mixtral") {
+    if (j.contains("num_local_experts") && !j.contains("num_experts")) {
+      j["num_experts"] = j["num_local_experts"];
+    }
+    if (j.contains("intermediate_size") && !j.contains("moe_intermediate_size")) {
+      j["moe_intermediate_size"] = j["intermediate_size"];
+    }
+  }
+  proto::ModelConfig from_json;
+  const pb::Descriptor* d = proto::ModelConfig::descriptor();
+  pb::util::JsonParseOptions jopts;
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const pb::FieldDescriptor* f = d->FindFieldByName(it.key());
+    if (f == nullptr || it.key() == "config_json" || it.value().is_null()) continue;
+    nlohmann::json one = {{it.key(), it.value()}};
+    proto::ModelConfig part;
+    if (!pb::util::JsonStringToMessage(one.dump(), &part, jopts).ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": field ", it.key(), " = ",
+                                                     it.value().dump(), " has the wrong type (",
+                                                     f->cpp_type_name(), " expected)"));
+    }
+    from_json.MergeFrom(part);
+  }
+  if (model->mlp_only_layers_size() > 0) from_json.clear_mlp_only_layers();
+  from_json.MergeFrom(*model);
+  *model = std::move(from_json);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
+                                         const std::vector<std::string>& overrides) {
+  proto::Config config;
+  MOEFIT_RETURN_IF_ERROR(MergeText(kDefaults, "<defaults>", &config));
+  if (path.empty()) {
+    MOEFIT_RETURN_IF_ERROR(MergeText(kDemoConfig, "<demo config>", &config));
+  } else {
+    MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "config"));
+    MOEFIT_RETURN_IF_ERROR(MergeText(text, path, &config));
+  }
+  for (const std::string& o : overrides) MOEFIT_RETURN_IF_ERROR(ApplyOverride(o, &config));
+  if (!config.model().config_json().empty()) {
+    MOEFIT_RETURN_IF_ERROR(
+        MergeHfConfigJson(config.model().config_json(), config.mutable_model()));
+  }
+  return config;
+}
+
+namespace {
+
+absl::Status Invalid(const std::string& msg) { return absl::InvalidArgumentError(msg); }
+
+absl::Status RequirePositive(const char* field, int64_t v) {
+  if (v <= 0) return Invalid(absl::StrCat(field, " = ", v, " must be positive"));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m) {
+  if (!m.has_model_type()) {
+    return Invalid("model.model_type is not set (give it in the config or through model.config_json)");
+  }
+  const framework::ModelFamily* family = framework::FindModelFamily(m.model_type());
+  if (family == nullptr) {
+    std::vector<std::string> names;
+    for (const auto& f : framework::ModelFamilies()) names.push_back(f.name);
+    return Invalid(absl::StrCat("model.model_type = '", m.model_type(),
+                                "' is not a supported family (supported: ",
+                                absl::StrJoin(names, ", "), ")"));
+  }
+  framework::ModelOptions o;
+  family->set_defaults(o);
+  o.model_type = m.model_type();
+  // Required shape fields.
+  struct Required {
+    const char* name;
+    bool has;
+    int64_t value;
+    int64_t* out;
+  };
+  const bool has_experts = m.has_num_experts() || m.has_num_local_experts();
+  const int64_t experts = m.has_num_experts() ? m.num_experts() : m.num_local_experts();
+  for (const Required& r : std::vector<Required>{
+           {"model.vocab_size", m.has_vocab_size(), m.vocab_size(), &o.vocab_size},
+           {"model.hidden_size", m.has_hidden_size(), m.hidden_size(), &o.hidden_size},
+           {"model.num_hidden_layers", m.has_num_hidden_layers(), m.num_hidden_layers(),
+            &o.num_hidden_layers},
+           {"model.num_attention_heads", m.has_num_attention_heads(), m.num_attention_heads(),
+            &o.num_attention_heads},
+           {"model.num_experts", has_experts, experts, &o.num_experts},
+           {"model.num_experts_per_tok", m.has_num_experts_per_tok(), m.num_experts_per_tok(),
+            &o.num_experts_per_tok},
+           {"model.moe_intermediate_size", m.has_moe_intermediate_size(),
+            m.moe_intermediate_size(), &o.moe_intermediate_size},
+       }) {
+    if (!r.has) {
+      return Invalid(absl::StrCat(r.name, " is not set (give it in the config or through "
+                                          "model.config_json)"));
+    }
+    MOEFIT_RETURN_IF_ERROR(RequirePositive(r.name, r.value));
+    *r.out = r.value;
+  }
+  if (m.has_intermediate_size()) o.intermediate_size = m.intermediate_size();
+  if (m.has_shared_expert_intermediate_size())
+    o.shared_expert_intermediate_size = m.shared_expert_intermediate_size();
+  o.num_key_value_heads = m.has_num_key_value_heads() ? m.num_key_value_heads() : o.num_attention_heads;
+  if (m.has_norm_topk_prob()) o.norm_topk_prob = m.norm_topk_prob();
+  if (m.has_router_aux_loss_coef()) o.router_aux_loss_coef = m.router_aux_loss_coef();
+  if (m.has_rope_theta()) o.rope_theta = m.rope_theta();
+  if (m.has_rms_norm_eps()) o.rms_norm_eps = m.rms_norm_eps();
+  o.mlp_only_layers.assign(m.mlp_only_layers().begin(), m.mlp_only_layers().end());
+  if (m.has_decoder_sparse_step()) o.decoder_sparse_step = m.decoder_sparse_step();
+  if (m.has_tie_word_embeddings()) o.tie_word_embeddings = m.tie_word_embeddings();
+  if (m.has_max_position_embeddings()) o.max_position_embeddings = m.max_position_embeddings();
+  if (m.has_initializer_range()) o.initializer_range = m.initializer_range();
+  if (m.has_attention_bias()) o.attention_bias = m.attention_bias();
+
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("model.num_key_value_heads", o.num_key_value_heads));
+  if (o.num_experts_per_tok > o.num_experts) {
+    return Invalid(absl::StrCat("model.num_experts_per_tok = ", o.num_experts_per_tok,
+                                " exceeds model.num_experts = ", o.num_experts));
+  }
+  if (m.has_head_dim()) {
+    o.head_dim = m.head_dim();
+    MOEFIT_RETURN_IF_ERROR(RequirePositive("model.head_dim", o.head_dim));
+  } else {
+    if (o.hidden_size % o.num_attention_heads != 0) {
+      return Invalid(absl::StrCat("model.hidden_size = ", o.hidden_size,
+                                  " is not divisible by model.num_attention_heads = ",
+                                  o.num_attention_heads));
+    }
+    o.head_dim = o.hidden_size / o.num_attention_heads;
+  }
+  if (o.head_dim % 2 != 0) {
+    return Invalid(absl::StrCat("model.head_dim = ", o.head_dim, " must be even (rotary embedding)"));
+  }
+  if (o.num_attention_heads % o.num_key_value_heads != 0) {
+    return Invalid(absl::StrCat("model.num_attention_heads = ", o.num_attention_heads,
+                                " is not divisible by model.num_key_value_heads = ",
+                                o.num_key_value_heads));
+  }
+  for (int64_t l : o.mlp_only_layers) {
+    if (l < 0 || l >= o.num_hidden_layers) {
+      return Invalid(absl::StrCat("model.mlp_only_layers holds ", l, ", outside [0, ",
+                                  o.num_hidden_layers, ")"));
+    }
+  }
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("model.decoder_sparse_step", o.decoder_sparse_step));
+  bool any_dense = false;
+  for (int64_t l = 0; l < o.num_hidden_layers; ++l) any_dense |= !o.IsMoeLayer(l);
+  if (any_dense && o.intermediate_size <= 0) {
+    return Invalid(absl::StrCat("model.intermediate_size = ", o.intermediate_size,
+                                " must be positive: the model has dense MLP layers"));
+  }
+  if (o.shared_expert_intermediate_size < 0) {
+    return Invalid(absl::StrCat("model.shared_expert_intermediate_size = ",
+                                o.shared_expert_intermediate_size, " must be >= 0"));
+  }
+  if (o.rms_norm_eps <= 0) {
+    return Invalid(absl::StrCat("model.rms_norm_eps = ", o.rms_norm_eps, " must be positive"));
+  }
+  if (o.rope_theta <= 0) {
+    return Invalid(absl::StrCat("model.rope_theta = ", o.rope_theta, " must be positive"));
+  }
+  if (o.router_aux_loss_coef < 0) {
+    return Invalid(absl::StrCat("model.router_aux_loss_coef = ", o.router_aux_loss_coef,
+                                " must be >= 0"));
+  }
+  return o;
+}
+
+}  // namespace
+
+absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
+  RunConfig run;
+  MOEFIT_ASSIGN_OR_RETURN(run.model, ResolveModel(c.model()));
+
+  const proto::TrainConfig& t = c.train();
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.steps", t.steps()));
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.micro_batch_size", t.micro_batch_size()));
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.grad_accum_steps", t.grad_accum_steps()));
+  if (t.seq_len() < 2) return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(), " must be >= 2"));
+  if (t.seq_len() > run.model.max_position_embeddings) {
+    return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(),
+                                " exceeds model.max_position_embeddings = ",
+                                run.model.max_position_embeddings));
+  }
+  run.seq_len = t.seq_len();
+  run.train.steps = t.steps();
+  run.train.micro_batch_size = t.micro_batch_size();
+  run.train.grad_accum_steps = t.grad_accum_steps();
+  run.train.seed = t.seed();
+
+  const proto::OptimizerConfig& op = c.optimizer();
+  if (!(op.lr() > 0)) return Invalid(absl::StrCat("optimizer.lr = ", op.lr(), " must be positive"));
+  if (op.weight_decay() < 0) {
+    return Invalid(absl::StrCat("optimizer.weight_decay = ", op.weight_decay(), " must be >= 0"));
+  }
+  if (op.beta1() < 0 || op.beta1() >= 1) {
+    return Invalid(absl::StrCat("optimizer.beta1 = ", op.beta1(), " must be in [0, 1)"));
+  }
+  if (op.beta2() < 0 || op.beta2() >= 1) {
+    return Invalid(absl::StrCat("optimizer.beta2 = ", op.beta2(), " must be in [0, 1)"));
+  }
+  if (!(op.eps() > 0)) return Invalid(absl::StrCat("optimizer.eps = ", op.eps(), " must be positive"));
+  if (op.max_grad_norm() < 0) {
+    return Invalid(absl::StrCat("optimizer.max_grad_norm = ", op.max_grad_norm(), " must be >= 0"));
+  }
+  run.train.optimizer = {op.lr(), op.weight_decay(), op.beta1(), op.beta2(), op.eps(),
+                         op.max_grad_norm()};
+  const proto::ScheduleConfig& sc = c.schedule();
+  if (sc.warmup_steps() < 0) {
+    return Invalid(absl::StrCat("schedule.warmup_steps = ", sc.warmup_steps(), " must be >= 0"));
+  }
+  if (sc.min_lr_ratio() < 0 || sc.min_lr_ratio() > 1) {
+    return Invalid(absl::StrCat("schedule.min_lr_ratio = ", sc.min_lr_ratio(), " must be in [0, 1]"));
+  }
+  run.train.schedule = {sc.warmup_steps(), sc.min_lr_ratio()};
+  run.train.metrics_file = c.logging().metrics_file();
+  run.train.log_every = c.logging().log_every();
+
+  const proto::ExpertsConfig& e = c.experts();
+  const std::vector<std::string> backends = experts::ExpertBackendNames();
+  if (std::find(backends.begin(), backends.end(), e.backend()) == backends.end()) {
+    return Invalid(absl::StrCat("experts.backend = '", e.backend(), "' is unknown (known: ",
+                                absl::StrJoin(backends, ", "), ")"));
+  }
+  run.runtime.expert_backend = e.backend();
+  if (e.dtype() == "float32") {
+    run.runtime.expert_dtype = at::kFloat;
+  } else if (e.dtype() == "bfloat16") {
+    run.runtime.expert_dtype = at::kBFloat16;
+  } else {
+    return Invalid(absl::StrCat("experts.dtype = '", e.dtype(), "' must be float32 or bfloat16"));
+  }
+  if (e.num_threads() < 0) {
+    return Invalid(absl::StrCat("experts.num_threads = ", e.num_threads(), " must be >= 0"));
+  }
+  run.runtime.expert_threads = e.num_threads();
+
+  const std::string& dev = c.parallel().device();
+  if (dev == "auto") {
+    run.runtime.dense_device = torch::cuda::is_available() ? c10::Device(c10::kCUDA) : c10::kCPU;
+  } else if (dev == "cpu") {
+    run.runtime.dense_device = c10::kCPU;
+  } else if (dev == "cuda") {
+    if (!torch::cuda::is_available()) {
+      return absl::FailedPreconditionError(
+          "parallel.device = 'cuda' but LibTorch sees no CUDA device here");
+    }
+    run.runtime.dense_device = c10::Device(c10::kCUDA);
+  } else {
+    return Invalid(absl::StrCat("parallel.device = '", dev, "' must be auto, cpu or cuda"));
+  }
+
+  run.data = {c.data().format(), c.data().path()};
+  if (run.data.format == "text") {
+    if (run.model.vocab_size < framework::kByteVocabSize) {
+      return Invalid(absl::StrCat("model.vocab_size = ", run.model.vocab_size,
+                                  " is smaller than the byte tokenizer's ",
+                                  framework::kByteVocabSize, " tokens (data.format = text)"));
+    }
+  } else if (run.data.format == "jsonl") {
+    if (run.data.path.empty()) return Invalid("data.path is not set (data.format = jsonl)");
+  } else {
+    return Invalid(absl::StrCat("data.format = '", run.data.format, "' must be text or jsonl"));
+  }
+  return run;
+}
+
+}  // namespace moefit::launch

@@ -1,0 +1,54 @@
+// Loading and resolving the training config.
+//
+// The edge where protobuf stops: a text-format file is merged onto the
+// built-in defaults, `--set path.to.field=value` overrides are applied through
+// protobuf reflection, an HF config.json (model.config_json) fills the model
+// fields the file left unset, and the result is checked and resolved into the
+// plain option structs the framework takes. Every error names the field (or
+// file and line) and the value, on one line.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "framework/model.h"
+#include "framework/model_options.h"
+#include "framework/trainer.h"
+#include "proto/config.pb.h"
+
+namespace moefit::launch {
+
+// The configuration `moefit train` runs without a CONFIG argument: a tiny
+// Qwen3-MoE-shaped model on the corpus shipped with moefit.
+extern const char kDemoConfig[];
+
+// Reads `path` (empty = the demo config) merged onto the defaults, then
+// applies each "path.to.field=value" override in order, then merges the
+// model's config_json. InvalidArgument / NotFound on bad input.
+absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
+                                         const std::vector<std::string>& overrides);
+
+// Applies one "path.to.field=value" override (exposed for tests).
+absl::Status ApplyOverride(const std::string& assignment, proto::Config* config);
+
+// Fills `model` from an HF config.json: fields the model already has win.
+absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model);
+
+struct DataSpec {
+  std::string format;  // "text" or "jsonl"
+  std::string path;    // empty with "text" = the shipped corpus
+};
+
+struct RunConfig {
+  framework::ModelOptions model;
+  framework::ModelRuntime runtime;
+  framework::TrainOptions train;
+  int64_t seq_len = 0;
+  DataSpec data;
+};
+
+// Checks every field and resolves the family defaults.
+absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& config);
+
+}  // namespace moefit::launch

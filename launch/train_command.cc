@@ -1,0 +1,63 @@
+// The train command; see train_command.h.
+#include "launch/train_command.h"
+
+#include <ATen/ATen.h>
+
+#include <cstdio>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "framework/data.h"
+#include "framework/model.h"
+#include "framework/trainer.h"
+#include "launch/corpus.h"
+#include "proto/status_macros.h"
+
+namespace moefit::launch {
+
+absl::Status RunTraining(const RunConfig& run, std::ostream& log) {
+  absl::StatusOr<framework::TokenDataset> data =
+      run.data.format == "jsonl"
+          ? framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size)
+      : run.data.path.empty()
+          ? framework::TokenDataset::FromText(ShippedCorpus(), run.seq_len, "<shipped corpus>")
+          : framework::TokenDataset::FromTextFile(run.data.path, run.seq_len);
+  if (!data.ok()) return data.status();
+  MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
+                          framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
+  int64_t total = 0, expert = 0;
+  for (const framework::Parameter& p : model->parameters()) {
+    total += p.tensor.numel();
+    if (p.expert) expert += p.tensor.numel();
+  }
+  const framework::ModelOptions& m = run.model;
+  const int64_t active = total - expert + expert / m.num_experts * m.num_experts_per_tok;
+  log << absl::StrFormat(
+             "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %.2fM parameters "
+             "(%.2fM active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
+             m.model_type, m.num_hidden_layers, m.hidden_size, m.num_experts,
+             m.num_experts_per_tok, total / 1e6, active / 1e6,
+             run.runtime.dense_device.str(), run.runtime.expert_backend,
+             c10::toString(run.runtime.expert_dtype), data->num_sequences(), run.seq_len)
+      << std::endl;
+  if (!run.train.metrics_file.empty()) {
+    // A new run starts a new metrics file.
+    if (std::FILE* f = std::fopen(run.train.metrics_file.c_str(), "w")) {
+      std::fclose(f);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "logging.metrics_file: cannot open '", run.train.metrics_file, "' for writing"));
+    }
+  }
+  framework::Trainer trainer(*model, *data, run.train);
+  MOEFIT_ASSIGN_OR_RETURN(std::vector<framework::StepStats> stats, trainer.Run(log));
+  if (!stats.empty()) {
+    log << absl::StrFormat("done: loss %.4f -> %.4f over %d steps", stats.front().loss,
+                           stats.back().loss, stats.size());
+    if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
+    log << std::endl;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moefit::launch

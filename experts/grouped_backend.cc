@@ -47,7 +47,10 @@ int64_t TileRows(int64_t num_rows, int num_threads) {
 void MmInto(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
 
 // Torch's own intra-op threads are set to one while the tiles run: the
-// parallelism is ours, and nested MKL/OpenMP teams would oversubscribe.
+// parallelism is ours, and nested MKL/oneDNN/OpenMP teams would oversubscribe.
+// at::set_num_threads sets the OpenMP and MKL thread counts of the calling
+// thread only, so the caller uses this guard and each arena worker makes
+// itself single-threaded once (MakeWorkerSingleThreaded).
 class SingleThreadedTorch {
  public:
   SingleThreadedTorch() : saved_(at::get_num_threads()) {
@@ -60,6 +63,14 @@ class SingleThreadedTorch {
  private:
   int saved_;
 };
+
+void MakeWorkerSingleThreaded() {
+  thread_local bool done = false;
+  if (!done) {
+    at::set_num_threads(1);
+    done = true;
+  }
+}
 
 // h = silu(gate) * up over one tile, with gate_up = [gate | up] per row.
 template <typename T>
@@ -213,6 +224,7 @@ class GroupedBackend final : public ExpertBackend {
       tbb::parallel_for(tbb::blocked_range<size_t>(0, num_tiles, 1),
                         [&](const tbb::blocked_range<size_t>& r) {
                           at::ThreadLocalStateGuard guard(state);
+                          MakeWorkerSingleThreaded();
                           for (size_t t = r.begin(); t != r.end(); ++t) fn(t);
                         });
     });

@@ -10,8 +10,9 @@
 #include "absl/strings/str_cat.h"
 #include "experts/expert_function.h"
 #include "experts/registry.h"
+#include "parallel/dispatcher.h"
+#include "parallel/local_communicator.h"
 #include "router/gating.h"
-#include "router/sort_by_expert.h"
 
 namespace moefit::framework {
 
@@ -56,8 +57,9 @@ bool ModelOptions::IsMoeLayer(int64_t layer_idx) const {
   return num_experts > 0 && decoder_sparse_step > 0 && (layer_idx + 1) % decoder_sparse_step == 0;
 }
 
-MoeModel::MoeModel(const ModelOptions& options, const ModelRuntime& runtime)
-    : options_(options), runtime_(runtime) {}
+MoeModel::MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
+                   router::ExpertPlacement placement)
+    : options_(options), runtime_(runtime), placement_(std::move(placement)) {}
 
 MoeModel::~MoeModel() = default;
 
@@ -67,8 +69,15 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   auto backend =
       experts::CreateExpertBackend(runtime.expert_backend, {.num_threads = runtime.expert_threads});
   if (!backend.ok()) return backend.status();
-  std::unique_ptr<MoeModel> model(new MoeModel(options, runtime));
+  ModelRuntime rt = runtime;
+  if (rt.expert_group == nullptr) rt.expert_group = parallel::LocalCommunicator::Create("ep");
+  auto placement = router::ExpertPlacement::Contiguous(options.num_experts, rt.expert_group->size());
+  if (!placement.ok()) return placement.status();
+  auto dispatcher = parallel::CreateDispatcher(rt.dispatcher, rt.expert_group, *placement);
+  if (!dispatcher.ok()) return dispatcher.status();
+  std::unique_ptr<MoeModel> model(new MoeModel(options, rt, std::move(*placement)));
   model->backend_ = std::move(*backend);
+  model->dispatcher_ = std::move(*dispatcher);
   model->Build(seed);
   return model;
 }
@@ -79,11 +88,15 @@ void MoeModel::Build(uint64_t seed) {
   const int64_t h = o.hidden_size, hd = o.head_dim;
   // Every tensor is drawn on the CPU in a fixed order, then moved: the same
   // seed gives the same weights on any device and at any expert dtype.
+  const int ep_rank = runtime_.expert_group->rank();
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool normal, bool decay,
                  bool expert) {
     at::Tensor t = normal ? at::randn(shape, gen, at::kFloat) * o.initializer_range
                           : (decay ? at::zeros(shape) : at::ones(shape));
-    t = expert ? t.to(runtime_.expert_dtype) : t.to(runtime_.dense_device);
+    t = expert ? t.narrow(0, placement_.first_expert(ep_rank), placement_.num_local(ep_rank))
+                     .to(runtime_.expert_dtype)
+                     .clone()
+               : t.to(runtime_.dense_device);
     t.requires_grad_(true);
     params_.push_back({name, t, decay, expert});
     return t;
@@ -185,17 +198,14 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, MoeLayerRouting* r
 
   // c. Activations to the host, in the experts' dtype.
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
-  at::Tensor idx_host = r.topk_idx.to(at::kCPU);
-  // d-e. Group assignments by expert.
-  router::ExpertOrder order = router::SortByExpert(idx_host, o.num_experts);
-  at::Tensor rows = x_host.index_select(0, order.token_idx);
-  // f. Expert compute.
-  at::Tensor y = experts::ExpertFfn(*backend_, rows, order.counts, l.gate_up_proj, l.down_proj);
-  // g. Combine on the home rank: weight each row by its routing weight, sum per token.
-  at::Tensor w = r.topk_weight.to(at::kCPU).reshape({-1}).index_select(0, order.order);
-  at::Tensor weighted = y.to(at::kFloat) * w.unsqueeze(1);
-  at::Tensor out = at::zeros({x.size(0), x.size(1)}, weighted.options())
-                       .index_add(0, order.token_idx, weighted)
+  // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
+  parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU));
+  // f. Expert compute on this rank's experts.
+  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, l.gate_up_proj, l.down_proj);
+  // g. Combine: rows come home; routing weights are applied here.
+  at::Tensor back = dispatcher_->Combine(y, *rows.route).to(at::kFloat).view({x.size(0), k, -1});
+  at::Tensor out = (back * r.topk_weight.to(at::kCPU).unsqueeze(-1))
+                       .sum(1)
                        .to(x.scalar_type())
                        .to(x.device());
   if (l.shared_gate.defined()) {

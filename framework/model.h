@@ -22,9 +22,15 @@
 #include "absl/status/statusor.h"
 #include "framework/model_options.h"
 
+#include "router/expert_placement.h"
+
 namespace moefit::experts {
 class ExpertBackend;
 }
+namespace moefit::parallel {
+class Communicator;
+class Dispatcher;
+}  // namespace moefit::parallel
 
 namespace moefit::framework {
 
@@ -34,21 +40,26 @@ struct ModelRuntime {
   at::ScalarType expert_dtype = at::kFloat;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count
+  // Expert parallelism: the group of ranks that share one copy of the experts
+  // (nullptr = this process alone) and how tokens reach them ("alltoall" or
+  // "allgather", parallel/dispatcher.h).
+  std::shared_ptr<parallel::Communicator> expert_group;
+  std::string dispatcher = "alltoall";
 };
 
 struct Parameter {
   std::string name;   // e.g. model.layers.0.mlp.experts.gate_up_proj
   at::Tensor tensor;  // a leaf with requires_grad
   bool weight_decay = true;  // false for norms and biases
-  bool expert = false;       // routed-expert weight (CPU resident)
+  bool expert = false;       // routed-expert weight (CPU resident; this rank's experts only)
 };
 
 // What one MoE layer's router saw in a forward pass.
 struct MoeLayerRouting {
   int64_t layer_idx = 0;
   at::Tensor prob_sum;      // [E] fp32, differentiable (for the balance loss)
-  at::Tensor expert_count;  // [E] fp32 assignments per expert, CPU
-  int64_t num_tokens = 0;
+  at::Tensor expert_count;  // [E] fp32 assignments per expert (this rank's tokens), CPU
+  int64_t num_tokens = 0;   // this rank's tokens
 };
 
 struct ForwardResult {
@@ -59,7 +70,10 @@ struct ForwardResult {
 class MoeModel {
  public:
   // Builds the model with weights drawn from N(0, initializer_range) (norms 1,
-  // biases 0) from a generator seeded with `seed`, independent of the device.
+  // biases 0) from a generator seeded with `seed`, independent of the device
+  // and of the expert-parallel degree: every rank draws the same full tensors
+  // and keeps its own experts (contiguous placement), so N ranks start from
+  // exactly the weights of one.
   static absl::StatusOr<std::unique_ptr<MoeModel>> Create(const ModelOptions& options,
                                                           const ModelRuntime& runtime,
                                                           uint64_t seed);
@@ -71,10 +85,12 @@ class MoeModel {
   const std::vector<Parameter>& parameters() const { return params_; }
   const ModelOptions& options() const { return options_; }
   const ModelRuntime& runtime() const { return runtime_; }
+  const router::ExpertPlacement& placement() const { return placement_; }
 
  private:
   struct Layer;
-  MoeModel(const ModelOptions& options, const ModelRuntime& runtime);
+  MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
+           router::ExpertPlacement placement);
   void Build(uint64_t seed);
   at::Tensor Attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos,
                        const at::Tensor& sin);
@@ -83,6 +99,8 @@ class MoeModel {
   ModelOptions options_;
   ModelRuntime runtime_;
   std::unique_ptr<experts::ExpertBackend> backend_;
+  router::ExpertPlacement placement_;
+  std::unique_ptr<parallel::Dispatcher> dispatcher_;
   std::vector<Parameter> params_;
   std::vector<Layer> layers_;
   at::Tensor embed_tokens_, final_norm_, lm_head_;

@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/metrics.pb.h"
+#include "parallel/grad_sync.h"
+#include "parallel/local_communicator.h"
 #include "router/gating.h"
 
 namespace moefit::framework {
@@ -27,15 +29,45 @@ double ScheduledLr(const TrainOptions& o, int64_t step) {
   return min_lr + (lr - min_lr) * 0.5 * (1.0 + std::cos(M_PI * progress));
 }
 
+namespace {
+
+parallel::ProcessGroups LocalGroups(const MoeModel& model) {
+  parallel::ProcessGroups g;
+  g.world = parallel::LocalCommunicator::Create("world");
+  g.data_parallel = g.world;
+  g.expert_parallel = model.runtime().expert_group;
+  g.expert_data_parallel = parallel::LocalCommunicator::Create("edp");
+  g.ep_size = 1;
+  return g;
+}
+
+// Sums a small host tensor over `comm` (in place) and returns it.
+at::Tensor SumOver(parallel::Communicator& comm, at::Tensor t) {
+  comm.AllReduce(t, parallel::ReduceOp::kSum)->WaitOrThrow();
+  return t;
+}
+
+}  // namespace
+
 struct Trainer::Impl {
   MoeModel& model;
   const TokenDataset& data;
   TrainOptions options;
+  parallel::ProcessGroups groups;
   BatchSampler sampler;
   std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::vector<at::Tensor> dense_params, expert_params;
 
-  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o)
-      : model(m), data(d), options(o), sampler(d.num_sequences(), o.seed) {
+  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
+       const parallel::ProcessGroups* g)
+      : model(m),
+        data(d),
+        options(o),
+        groups(g != nullptr ? *g : LocalGroups(m)),
+        sampler(d.num_sequences(), o.seed) {
+    for (const Parameter& p : model.parameters()) {
+      (p.expert ? expert_params : dense_params).push_back(p.tensor);
+    }
     // Two groups: decayed weights, and norms/biases without weight decay.
     std::vector<at::Tensor> decay, no_decay;
     for (const Parameter& p : model.parameters()) {
@@ -53,14 +85,30 @@ struct Trainer::Impl {
         groups, torch::optim::AdamWOptions(o.optimizer.lr));
   }
 
-  // Global L2 norm of all gradients; scales them to max_norm when above it.
-  double ClipGradients(double max_norm) {
+  static std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params) {
+    std::vector<at::Tensor> grads;
+    for (const at::Tensor& p : params) grads.push_back(p.grad());
+    return grads;
+  }
+
+  static double SquaredNorm(const std::vector<at::Tensor>& params) {
     double sq = 0;
-    for (const Parameter& p : model.parameters()) {
-      if (p.tensor.grad().defined()) {
-        sq += p.tensor.grad().to(at::kDouble).pow(2).sum().item<double>();
-      }
+    for (const at::Tensor& p : params) {
+      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
     }
+    return sq;
+  }
+
+  // Sums gradients over their groups, then returns the global L2 norm and
+  // scales every gradient to max_norm when above it. Dense gradients are equal
+  // on all ranks after the sum; each expert's are counted once, on its owner
+  // within the expert-parallel group.
+  double SyncAndClip(double max_norm) {
+    parallel::AllReduceSum(*groups.data_parallel, Grads(dense_params));
+    parallel::AllReduceSum(*groups.expert_data_parallel, Grads(expert_params));
+    at::Tensor expert_sq = at::full({1}, SquaredNorm(expert_params), at::kDouble);
+    const double sq = SquaredNorm(dense_params) +
+                      SumOver(*groups.expert_parallel, expert_sq).item<double>();
     const double norm = std::sqrt(sq);
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);
@@ -72,8 +120,9 @@ struct Trainer::Impl {
   }
 };
 
-Trainer::Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& options)
-    : impl_(std::make_unique<Impl>(model, data, options)) {}
+Trainer::Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& options,
+                 const parallel::ProcessGroups* groups)
+    : impl_(std::make_unique<Impl>(model, data, options, groups)) {}
 
 Trainer::~Trainer() = default;
 
@@ -81,67 +130,73 @@ StepStats Trainer::Step(int64_t step) {
   Impl& s = *impl_;
   const TrainOptions& o = s.options;
   const ModelOptions& mo = s.model.options();
+  parallel::Communicator& dp = *s.groups.data_parallel;
   const auto start = std::chrono::steady_clock::now();
   const int64_t mb = o.micro_batch_size;
-  const std::vector<int64_t> global = s.sampler.GlobalBatch(step, mb * o.grad_accum_steps);
+  const int64_t per_micro = mb * dp.size();
+  const std::vector<int64_t> global = s.sampler.GlobalBatch(step, per_micro * o.grad_accum_steps);
 
   // The normalizer is the trained-token count of the whole global batch.
   std::vector<Batch> micro;
-  int64_t trained = 0;
+  int64_t trained_here = 0;
   for (int64_t m = 0; m < o.grad_accum_steps; ++m) {
-    micro.push_back(s.data.Gather({global.begin() + m * mb, global.begin() + (m + 1) * mb}));
-    trained += CountTrainedTokens(micro.back().labels);
+    auto first = global.begin() + m * per_micro + dp.rank() * mb;
+    micro.push_back(s.data.Gather({first, first + mb}));
+    trained_here += CountTrainedTokens(micro.back().labels);
   }
+  const int64_t trained = std::max<int64_t>(
+      1, SumOver(dp, at::full({1}, trained_here, at::kLong)).item<int64_t>());
 
   StepStats stats;
   stats.step = step + 1;
   stats.lr = ScheduledLr(o, step);
   s.optimizer->zero_grad();
-  double loss_sum = 0, aux_sum = 0;
-  std::vector<at::Tensor> load;  // per MoE layer: [E] assignment counts
+  double loss_here = 0, aux_here = 0;
+  at::Tensor load;  // [moe layers, E] assignments over the global batch
   for (const Batch& batch : micro) {
     ForwardResult out = s.model.Forward(batch.input_ids);
     LossSum ce = CausalLmLossSum(out.logits, batch.labels);
-    at::Tensor loss = ce.sum / static_cast<double>(std::max<int64_t>(trained, 1));
+    at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {
+      // HF's balance loss over all MoE layers' decisions on this micro-batch
+      // of the global batch: counts and token totals are summed over ranks,
+      // each rank adds its share of the probability mass.
+      std::vector<at::Tensor> counts;
       at::Tensor prob_sum = out.moe_layers[0].prob_sum;
-      at::Tensor count = out.moe_layers[0].expert_count;
-      int64_t tokens = out.moe_layers[0].num_tokens;
-      for (size_t l = 1; l < out.moe_layers.size(); ++l) {
-        prob_sum = prob_sum + out.moe_layers[l].prob_sum;
-        count = count + out.moe_layers[l].expert_count;
-        tokens += out.moe_layers[l].num_tokens;
+      int64_t tokens_here = 0;
+      for (size_t l = 0; l < out.moe_layers.size(); ++l) {
+        if (l > 0) prob_sum = prob_sum + out.moe_layers[l].prob_sum;
+        counts.push_back(out.moe_layers[l].expert_count);
+        tokens_here += out.moe_layers[l].num_tokens;
       }
-      at::Tensor aux = router::LoadBalancingLoss(prob_sum, count, tokens, mo.num_experts);
-      aux_sum += aux.item<double>();
+      at::Tensor layer_counts = SumOver(dp, at::stack(counts).to(at::kDouble));
+      const int64_t tokens =
+          SumOver(dp, at::full({1}, tokens_here, at::kLong)).item<int64_t>();
+      at::Tensor aux = router::LoadBalancingLoss(prob_sum, layer_counts.sum(0).to(at::kFloat),
+                                                 tokens, mo.num_experts);
+      aux_here += aux.item<double>();
       if (mo.router_aux_loss_coef > 0) {
         loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
       }
-      if (load.empty()) load.resize(out.moe_layers.size());
-      for (size_t l = 0; l < out.moe_layers.size(); ++l) {
-        load[l] = load[l].defined() ? load[l] + out.moe_layers[l].expert_count
-                                    : out.moe_layers[l].expert_count;
-      }
+      load = load.defined() ? load + layer_counts : layer_counts;
     }
-    loss_sum += ce.sum.item<double>();
+    loss_here += ce.sum.item<double>();
     loss.backward();
-    stats.tokens += batch.input_ids.numel();
+    stats.tokens += batch.input_ids.numel() * dp.size();
   }
-  stats.loss = loss_sum / static_cast<double>(std::max<int64_t>(trained, 1));
-  stats.aux_loss = aux_sum / static_cast<double>(o.grad_accum_steps);
-  stats.grad_norm = s.ClipGradients(o.optimizer.max_grad_norm);
+  at::Tensor sums = SumOver(dp, at::tensor({loss_here, aux_here}, at::kDouble));
+  stats.loss = sums[0].item<double>() / static_cast<double>(trained);
+  stats.aux_loss = sums[1].item<double>() / static_cast<double>(o.grad_accum_steps);
+  stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
   for (auto& group : s.optimizer->param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
   }
   s.optimizer->step();
 
-  const auto& moe_layers = s.model.options();
-  (void)moe_layers;
-  int64_t layer_pos = 0;
-  for (int64_t l = 0; l < mo.num_hidden_layers && layer_pos < static_cast<int64_t>(load.size());
-       ++l) {
+  int64_t row = 0;
+  for (int64_t l = 0; l < mo.num_hidden_layers && load.defined(); ++l) {
     if (!mo.IsMoeLayer(l)) continue;
-    at::Tensor c = load[layer_pos++].to(at::kLong);
+    at::Tensor c = load[row++].to(at::kLong);
     LayerLoad ll;
     ll.layer_idx = l;
     ll.tokens_per_expert.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
@@ -165,10 +220,12 @@ std::string FormatDuration(double seconds) {
 
 }  // namespace
 
-absl::StatusOr<std::vector<StepStats>> Trainer::Run(std::ostream& log) {
+absl::StatusOr<std::vector<StepStats>> Trainer::Run(
+    std::ostream& log, const std::function<void(const StepStats&)>& after_step) {
   const TrainOptions& o = impl_->options;
+  const bool rank0 = impl_->groups.world->rank() == 0;
   std::ofstream metrics;
-  if (!o.metrics_file.empty()) {
+  if (rank0 && !o.metrics_file.empty()) {
     metrics.open(o.metrics_file, std::ios::app);
     if (!metrics) {
       return absl::InvalidArgumentError(
@@ -182,7 +239,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(std::ostream& log) {
     elapsed += st.seconds;
     const double tok_s = st.seconds > 0 ? st.tokens / st.seconds : 0.0;
     const double eta = elapsed / (step + 1) * (o.steps - step - 1);
-    if (o.log_every <= 1 || st.step % o.log_every == 0 || st.step == o.steps) {
+    if (rank0 && (o.log_every <= 1 || st.step % o.log_every == 0 || st.step == o.steps)) {
       log << absl::StrFormat(
                  "step %d/%d | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | eta %s",
                  st.step, o.steps, st.loss, st.aux_loss, st.lr, st.grad_norm, tok_s,
@@ -216,6 +273,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(std::ostream& log) {
       metrics << line << '\n';
       metrics.flush();
     }
+    if (after_step) after_step(st);
     all.push_back(std::move(st));
   }
   return all;

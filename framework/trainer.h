@@ -1,6 +1,13 @@
 // The training loop: global batches, gradient accumulation, AdamW with a
 // warm-up + cosine schedule, global-norm clipping, progress and metrics.
 //
+// Data parallelism: the global batch of a step is split over the
+// data-parallel ranks (micro-batch m of rank r is positions
+// [m*W*B + r*B, m*W*B + (r+1)*B) of the global batch, so micro-batch m of W
+// ranks is micro-batch m of one rank with W times the batch size); dense
+// gradients are summed over the data-parallel group, expert gradients over the
+// ranks holding replicas of the same experts.
+//
 // The loss of a step is the sum of per-token cross entropies over the whole
 // global batch divided by the number of trained tokens in it (not a mean of
 // per-micro-batch means), so that any split of the batch into micro-batches —
@@ -19,6 +26,7 @@
 #include "absl/status/status.h"
 #include "framework/data.h"
 #include "framework/model.h"
+#include "parallel/process_groups.h"
 
 namespace moefit::framework {
 
@@ -43,7 +51,7 @@ struct TrainOptions {
   uint64_t seed = 0;
   OptimizerOptions optimizer;
   ScheduleOptions schedule;
-  std::string metrics_file;  // JSON Lines; empty = none
+  std::string metrics_file;  // JSON Lines; empty = none (written by rank 0)
   int64_t log_every = 1;
 };
 
@@ -70,15 +78,20 @@ struct StepStats {
 
 class Trainer {
  public:
-  Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& options);
+  // `groups` null: this process alone. Otherwise the model must have been
+  // built with groups->expert_parallel as its expert group.
+  Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& options,
+          const parallel::ProcessGroups* groups = nullptr);
   ~Trainer();
 
   // One optimizer step over global batch `step` (0-based).
   StepStats Step(int64_t step);
 
-  // All steps; prints a progress line per step to `log` and appends metrics.
-  // Returns the per-step stats.
-  absl::StatusOr<std::vector<StepStats>> Run(std::ostream& log);
+  // All steps; rank 0 prints a progress line per step to `log` and appends
+  // metrics. `after_step`, if set, runs on every rank after each step.
+  // Returns the per-step stats (the same on every rank).
+  absl::StatusOr<std::vector<StepStats>> Run(
+      std::ostream& log, const std::function<void(const StepStats&)>& after_step = {});
 
  private:
   struct Impl;

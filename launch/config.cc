@@ -20,6 +20,7 @@
 #include "absl/strings/strip.h"
 #include "experts/registry.h"
 #include "framework/families/family.h"
+#include "parallel/dispatcher.h"
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
@@ -59,7 +60,7 @@ const char kDefaults[] = R"pb(
   schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
   train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
   experts { backend: "grouped" dtype: "float32" num_threads: 0 }
-  parallel { device: "auto" }
+  parallel { device: "auto" ep_size: 0 dispatcher: "alltoall" }
   logging { log_every: 1 }
 )pb";
 
@@ -430,6 +431,18 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   } else {
     return Invalid(absl::StrCat("parallel.device = '", dev, "' must be auto, cpu or cuda"));
   }
+
+  if (c.parallel().ep_size() < 0) {
+    return Invalid(absl::StrCat("parallel.ep_size = ", c.parallel().ep_size(), " must be >= 0"));
+  }
+  run.ep_size = c.parallel().ep_size();
+  const std::vector<std::string> dispatchers = parallel::DispatcherNames();
+  if (std::find(dispatchers.begin(), dispatchers.end(), c.parallel().dispatcher()) ==
+      dispatchers.end()) {
+    return Invalid(absl::StrCat("parallel.dispatcher = '", c.parallel().dispatcher(),
+                                "' is unknown (known: ", absl::StrJoin(dispatchers, ", "), ")"));
+  }
+  run.runtime.dispatcher = c.parallel().dispatcher();
 
   run.data = {c.data().format(), c.data().path()};
   if (run.data.format == "text") {

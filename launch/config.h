@@ -45,6 +45,7 @@ struct RunConfig {
   framework::ModelRuntime runtime;
   framework::TrainOptions train;
   int64_t seq_len = 0;
+  int ep_size = 0;  // 0 = the world
   DataSpec data;
 };
 

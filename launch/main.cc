@@ -13,12 +13,17 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
 #include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "experts/registry.h"
 #include "framework/families/family.h"
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
+#include "parallel/dispatcher.h"
 #include "launch/train_command.h"
+#include "parallel/local_communicator.h"
+#include "parallel/mpi_communicator.h"
+#include "parallel/mpi_runtime.h"
 
 ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
@@ -52,8 +57,19 @@ std::string Usage() {
          "expert backends: " +
          absl::StrJoin(experts::ExpertBackendNames(), ", ") +
          "\n"
+         "expert parallelism: mpirun -np N moefit train ... spreads the experts over N\n"
+         "      processes (parallel.ep_size, parallel.dispatcher: " +
+         absl::StrJoin(parallel::DispatcherNames(), ", ") +
+         ").\n"
          "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process.\n"
          "exit codes: 0 ok, 1 runtime failure, 2 bad input.\n";
+}
+
+bool LaunchedByMpirun() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "PMI_RANK"}) {
+    if (std::getenv(var) != nullptr) return true;
+  }
+  return false;
 }
 
 int ExitCodeFor(const absl::Status& s) {
@@ -132,7 +148,31 @@ int TrainMain(int argc, char** argv) {
   }
   absl::StatusOr<RunConfig> run = ResolveConfig(*config);
   if (!run.ok()) return Fail(run.status());
-  absl::Status s = RunTraining(*run, std::cout);
+
+  // Under mpirun every rank joins MPI's world; alone, the process is a world
+  // of one and needs no MPI at all.
+  std::unique_ptr<parallel::MpiRuntime> mpi;
+  std::shared_ptr<parallel::Communicator> world;
+  if (LaunchedByMpirun()) {
+    auto started = parallel::MpiRuntime::Start(&argc, &argv);
+    if (!started.ok()) return Fail(started.status());
+    mpi = std::move(*started);
+    auto comm = parallel::MpiCommunicator::Create(MPI_COMM_WORLD);
+    if (!comm.ok()) return Fail(comm.status());
+    world = std::move(*comm);
+  } else {
+    world = parallel::LocalCommunicator::Create("world");
+  }
+  absl::Status s;
+  try {
+    s = RunTraining(*run, world, std::cout);
+  } catch (const std::exception& e) {
+    s = absl::InternalError(e.what());
+  }
+  if (!s.ok() && world->size() > 1) {
+    // The other ranks may be waiting in a collective: end them all, now.
+    parallel::AbortAll(ExitCodeFor(s), absl::StrCat("rank ", world->rank(), ": ", s.message()));
+  }
   return s.ok() ? kExitOk : Fail(s);
 }
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdio>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -11,11 +12,19 @@
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/corpus.h"
+#include "parallel/process_groups.h"
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
 
-absl::Status RunTraining(const RunConfig& run, std::ostream& log) {
+absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Communicator> world,
+                         std::ostream& log_in) {
+  RunConfig run = run_in;
+  std::ostringstream discard;
+  std::ostream& log = world->rank() == 0 ? log_in : discard;
+  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups,
+                          parallel::MakeProcessGroups(world, {.ep_size = run.ep_size}));
+  run.runtime.expert_group = groups.expert_parallel;
   absl::StatusOr<framework::TokenDataset> data =
       run.data.format == "jsonl"
           ? framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size)
@@ -31,7 +40,11 @@ absl::Status RunTraining(const RunConfig& run, std::ostream& log) {
     if (p.expert) expert += p.tensor.numel();
   }
   const framework::ModelOptions& m = run.model;
-  const int64_t active = total - expert + expert / m.num_experts * m.num_experts_per_tok;
+  // Parameters of the whole model: this rank holds num_local of num_experts experts.
+  const int64_t local = model->placement().num_local(groups.expert_parallel->rank());
+  const int64_t per_expert = local > 0 ? expert / local : 0;
+  total += per_expert * (m.num_experts - local);
+  const int64_t active = total - per_expert * (m.num_experts - m.num_experts_per_tok);
   log << absl::StrFormat(
              "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %.2fM parameters "
              "(%.2fM active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
@@ -40,7 +53,12 @@ absl::Status RunTraining(const RunConfig& run, std::ostream& log) {
              run.runtime.dense_device.str(), run.runtime.expert_backend,
              c10::toString(run.runtime.expert_dtype), data->num_sequences(), run.seq_len)
       << std::endl;
-  if (!run.train.metrics_file.empty()) {
+  if (world->size() > 1) {
+    log << absl::StrFormat("moefit: %d ranks, expert-parallel groups of %d (%d experts each), %s dispatch",
+                           world->size(), groups.ep_size, local, run.runtime.dispatcher)
+        << std::endl;
+  }
+  if (world->rank() == 0 && !run.train.metrics_file.empty()) {
     // A new run starts a new metrics file.
     if (std::FILE* f = std::fopen(run.train.metrics_file.c_str(), "w")) {
       std::fclose(f);
@@ -49,7 +67,7 @@ absl::Status RunTraining(const RunConfig& run, std::ostream& log) {
           "logging.metrics_file: cannot open '", run.train.metrics_file, "' for writing"));
     }
   }
-  framework::Trainer trainer(*model, *data, run.train);
+  framework::Trainer trainer(*model, *data, run.train, &groups);
   MOEFIT_ASSIGN_OR_RETURN(std::vector<framework::StepStats> stats, trainer.Run(log));
   if (!stats.empty()) {
     log << absl::StrFormat("done: loss %.4f -> %.4f over %d steps", stats.front().loss,

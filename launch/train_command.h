@@ -6,9 +6,13 @@
 
 #include "absl/status/status.h"
 #include "launch/config.h"
+#include "parallel/communicator.h"
 
 namespace moefit::launch {
 
-absl::Status RunTraining(const RunConfig& run, std::ostream& log);
+// `world` is MPI's world under mpirun, else a one-rank local communicator.
+// Only world rank 0 writes to `log`.
+absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communicator> world,
+                         std::ostream& log);
 
 }  // namespace moefit::launch

@@ -1,0 +1,79 @@
+// The all-gather dispatcher (the HF transformers EP scheme); see dispatcher.h.
+#include <ATen/ATen.h>
+
+#include "parallel/differentiable_collectives.h"
+#include "parallel/dispatcher.h"
+#include "parallel/internal/dispatchers.h"
+
+namespace moefit::parallel {
+namespace {
+
+struct AllGatherRoute final : Route {
+  at::Tensor assignment_idx;  // [R] global flat assignment of each local row
+  int64_t num_assignments = 0;
+  std::vector<int64_t> assignments_per_rank;
+};
+
+class AllGatherDispatcher final : public Dispatcher {
+ public:
+  AllGatherDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
+      : ep_(std::move(ep)) {
+    const int64_t e = placement.num_experts();
+    local_of_expert_ = at::full({e}, -1, at::kLong);
+    for (int64_t i = 0; i < e; ++i) {
+      if (placement.owner(i) == ep_->rank()) local_of_expert_[i] = placement.local_index(i);
+    }
+    num_local_ = placement.num_local(ep_->rank());
+  }
+
+  std::string_view name() const override { return "allgather"; }
+
+  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+    const int world = ep_->size();
+    const int64_t k = topk_idx.size(1);
+    at::Tensor n_all = at::empty({world}, at::kLong);
+    ep_->AllGather(at::full({1}, x.size(0), at::kLong), n_all)->WaitOrThrow();
+    std::vector<int64_t> tokens(n_all.data_ptr<int64_t>(), n_all.data_ptr<int64_t>() + world);
+    at::Tensor x_all = AllGatherRows(*ep_, x, tokens);
+    at::Tensor idx_all = at::empty({x_all.size(0), k}, at::kLong);
+    ep_->AllGatherV(topk_idx.contiguous(), idx_all, tokens)->WaitOrThrow();
+
+    // Keep the assignments of this rank's experts, grouped by local expert.
+    at::Tensor local = local_of_expert_.index_select(0, idx_all.reshape({-1}));
+    at::Tensor mine = at::nonzero(local >= 0).reshape({-1});
+    at::Tensor mine_local = local.index_select(0, mine);
+    at::Tensor order = std::get<1>(at::sort(mine_local, /*stable=*/true, 0, false));
+
+    auto route = std::make_unique<AllGatherRoute>();
+    route->assignment_idx = mine.index_select(0, order);
+    route->num_assignments = idx_all.numel();
+    for (int64_t n : tokens) route->assignments_per_rank.push_back(n * k);
+    DispatchedRows out;
+    out.rows = x_all.index_select(0, at::div(route->assignment_idx, k, "floor"));
+    at::Tensor counts = at::bincount(mine_local, {}, num_local_);
+    out.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_local_);
+    out.route = std::move(route);
+    return out;
+  }
+
+  at::Tensor Combine(const at::Tensor& y, const Route& r) override {
+    const auto& route = static_cast<const AllGatherRoute&>(r);
+    at::Tensor partial = at::zeros({route.num_assignments, y.size(1)}, y.options())
+                             .index_add(0, route.assignment_idx, y);
+    return SumKeepOwnRows(*ep_, partial, route.assignments_per_rank);
+  }
+
+ private:
+  std::shared_ptr<Communicator> ep_;
+  at::Tensor local_of_expert_;  // [E]: local index on this rank, -1 elsewhere
+  int64_t num_local_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Dispatcher> CreateAllGatherDispatcher(std::shared_ptr<Communicator> ep,
+                                                      const router::ExpertPlacement& placement) {
+  return std::make_unique<AllGatherDispatcher>(std::move(ep), placement);
+}
+
+}  // namespace moefit::parallel

@@ -1,0 +1,98 @@
+// The all-to-all dispatcher (RouterParallel remapping); see dispatcher.h.
+#include <ATen/ATen.h>
+
+#include <numeric>
+
+#include "parallel/differentiable_collectives.h"
+#include "parallel/dispatcher.h"
+#include "parallel/internal/dispatchers.h"
+
+namespace moefit::parallel {
+namespace {
+
+struct AllToAllRoute final : Route {
+  at::Tensor inverse_order;  // flat assignment -> sorted position
+  at::Tensor inverse_regroup;  // received position -> expert-major position
+  std::vector<int64_t> send_rows, recv_rows;  // per peer
+};
+
+class AllToAllDispatcher final : public Dispatcher {
+ public:
+  AllToAllDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
+      : ep_(std::move(ep)), max_local_(placement.max_local()) {
+    const int64_t e = placement.num_experts();
+    key_of_expert_ = at::empty({e}, at::kLong);
+    for (int64_t i = 0; i < e; ++i) {
+      key_of_expert_[i] = placement.owner(i) * max_local_ + placement.local_index(i);
+    }
+    num_local_ = placement.num_local(ep_->rank());
+  }
+
+  std::string_view name() const override { return "alltoall"; }
+
+  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+    const int world = ep_->size();
+    const int64_t k = topk_idx.size(1);
+    // RouterParallel remap: global id -> owner * max_local + local index; a
+    // stable sort by it groups rows by owner, then by the owner's local expert.
+    at::Tensor key = key_of_expert_.index_select(0, topk_idx.reshape({-1}));
+    at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, 0, false));
+    at::Tensor send_matrix = at::bincount(key, {}, world * max_local_).view({world, max_local_});
+    at::Tensor recv_matrix = at::empty_like(send_matrix);
+    ep_->AllToAllCounts(send_matrix, recv_matrix)->WaitOrThrow();
+
+    auto route = std::make_unique<AllToAllRoute>();
+    route->inverse_order = at::argsort(order);
+    at::Tensor send_rows = send_matrix.sum(1), recv_rows = recv_matrix.sum(1);
+    route->send_rows.assign(send_rows.data_ptr<int64_t>(), send_rows.data_ptr<int64_t>() + world);
+    route->recv_rows.assign(recv_rows.data_ptr<int64_t>(), recv_rows.data_ptr<int64_t>() + world);
+
+    at::Tensor sorted = x.index_select(0, at::div(order, k, "floor"));
+    at::Tensor received = AllToAllRows(*ep_, sorted, route->send_rows, route->recv_rows);
+
+    // Received rows are peer-major (within a peer, expert-major): regroup
+    // them expert-major for the kernels.
+    const int64_t* rc = recv_matrix.data_ptr<int64_t>();
+    std::vector<int64_t> peer_begin(world + 1, 0);
+    for (int q = 0; q < world; ++q) peer_begin[q + 1] = peer_begin[q] + route->recv_rows[q];
+    std::vector<int64_t> regroup;
+    regroup.reserve(peer_begin[world]);
+    DispatchedRows out;
+    out.counts.assign(num_local_, 0);
+    for (int64_t e = 0; e < num_local_; ++e) {
+      for (int q = 0; q < world; ++q) {
+        int64_t begin = peer_begin[q];
+        for (int64_t f = 0; f < e; ++f) begin += rc[q * max_local_ + f];
+        for (int64_t r = 0; r < rc[q * max_local_ + e]; ++r) regroup.push_back(begin + r);
+        out.counts[e] += rc[q * max_local_ + e];
+      }
+    }
+    at::Tensor regroup_t = at::tensor(regroup, at::kLong);
+    route->inverse_regroup = at::argsort(regroup_t);
+    out.rows = received.index_select(0, regroup_t);
+    out.route = std::move(route);
+    return out;
+  }
+
+  at::Tensor Combine(const at::Tensor& y, const Route& r) override {
+    const auto& route = static_cast<const AllToAllRoute&>(r);
+    at::Tensor back = AllToAllRows(*ep_, y.index_select(0, route.inverse_regroup), route.recv_rows,
+                                   route.send_rows);
+    return back.index_select(0, route.inverse_order);
+  }
+
+ private:
+  std::shared_ptr<Communicator> ep_;
+  int64_t max_local_ = 0;
+  int64_t num_local_ = 0;
+  at::Tensor key_of_expert_;  // [E]
+};
+
+}  // namespace
+
+std::unique_ptr<Dispatcher> CreateAllToAllDispatcher(std::shared_ptr<Communicator> ep,
+                                                     const router::ExpertPlacement& placement) {
+  return std::make_unique<AllToAllDispatcher>(std::move(ep), placement);
+}
+
+}  // namespace moefit::parallel

@@ -1,0 +1,98 @@
+// Default bodies of the Communicator interface and the trivial completed Work.
+//
+// Every collective's default fails with Unimplemented and names the backend and
+// the operation, so a backend that has not written one (or a test double) is
+// diagnosed at the first Wait() instead of by a crash or a silent no-op.
+#include "parallel/communicator.h"
+
+#include <c10/util/Exception.h>
+
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace moefit::parallel {
+namespace {
+
+class CompletedWork final : public Work {
+ public:
+  explicit CompletedWork(absl::Status status) : status_(std::move(status)) {}
+  bool IsCompleted() override { return true; }
+
+ protected:
+  absl::Status DoWait(absl::Duration) override { return status_; }
+
+ private:
+  const absl::Status status_;
+};
+
+}  // namespace
+
+const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "unknown";
+}
+
+void Work::WaitOrThrow() {
+  const absl::Status status = Wait();
+  TORCH_CHECK(status.ok(), status.ToString());
+}
+
+std::shared_ptr<Work> Work::Completed(absl::Status status) {
+  return std::make_shared<CompletedWork>(std::move(status));
+}
+
+Communicator::Communicator(int rank, int size, std::string name)
+    : rank_(rank), size_(size), name_(std::move(name)) {}
+
+std::string Communicator::Describe() const {
+  return absl::StrCat("communicator '", name_, "' (", BackendName(), ", rank ", rank_, " of ",
+                      size_, ")");
+}
+
+std::shared_ptr<Work> Communicator::NotImplemented(const char* op) const {
+  return Work::Completed(absl::UnimplementedError(
+      absl::StrCat(BackendName(), " backend does not implement ", op, " (", Describe(), ")")));
+}
+
+std::shared_ptr<Work> Communicator::AllToAllCounts(const at::Tensor&, const at::Tensor&) {
+  return NotImplemented("AllToAllCounts");
+}
+
+std::shared_ptr<Work> Communicator::AllToAllV(const at::Tensor&, absl::Span<const int64_t>,
+                                              const at::Tensor&, absl::Span<const int64_t>) {
+  return NotImplemented("AllToAllV");
+}
+
+std::shared_ptr<Work> Communicator::AllReduce(const at::Tensor&, ReduceOp) {
+  return NotImplemented("AllReduce");
+}
+
+std::shared_ptr<Work> Communicator::AllGather(const at::Tensor&, const at::Tensor&) {
+  return NotImplemented("AllGather");
+}
+
+std::shared_ptr<Work> Communicator::AllGatherV(const at::Tensor&, const at::Tensor&,
+                                               absl::Span<const int64_t>) {
+  return NotImplemented("AllGatherV");
+}
+
+std::shared_ptr<Work> Communicator::Broadcast(const at::Tensor&, int) {
+  return NotImplemented("Broadcast");
+}
+
+std::shared_ptr<Work> Communicator::Barrier() { return NotImplemented("Barrier"); }
+
+absl::StatusOr<std::shared_ptr<Communicator>> Communicator::Split(int, int, std::string) {
+  return absl::UnimplementedError(
+      absl::StrCat(BackendName(), " backend does not implement Split (", Describe(), ")"));
+}
+
+}  // namespace moefit::parallel

@@ -1,0 +1,365 @@
+// The MPI backend of Communicator (see the header for the wire formats).
+//
+// Each collective checks its arguments (TORCH_CHECK, shared with every backend),
+// then posts one or more non-blocking MPI calls into an MpiWork that owns
+// everything MPI may touch until completion: the tensors, the int count arrays
+// (MPI-3 forbids changing them while the call is pending) and, for bf16/fp16
+// reductions, the fp32 staging copy and the step that rounds it back.
+#include "parallel/mpi_communicator.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "parallel/internal/collective_checks.h"
+#include "parallel/internal/mpi_util.h"
+
+namespace moefit::parallel {
+namespace {
+
+// What an MPI collective may read or write until it completes.
+struct PendingMpi {
+  std::vector<MPI_Request> requests;
+  std::vector<at::Tensor> tensors;
+  internal::MpiCounts send_counts;
+  internal::MpiCounts recv_counts;
+  // Runs once after all requests completed successfully (fp32 staging -> bf16).
+  std::function<void()> on_success;
+};
+
+absl::Status WaitAll(std::vector<MPI_Request>& requests) {
+  MOEFIT_CHECK_FOREIGN(
+      MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE));
+  return absl::OkStatus();
+}
+
+absl::Status TestAll(std::vector<MPI_Request>& requests, bool* done) {
+  int flag = 0;
+  MOEFIT_CHECK_FOREIGN(
+      MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE));
+  *done = flag != 0;
+  return absl::OkStatus();
+}
+
+class MpiWork final : public Work {
+ public:
+  // `what` ("AllToAllV on communicator 'ep' (MPI, rank 1 of 4)") prefixes every
+  // error this work reports.
+  explicit MpiWork(std::string what)
+      : what_(std::move(what)), pending_(std::make_unique<PendingMpi>()) {}
+
+  ~MpiWork() override {
+    if (completed_) return;
+    if (std::uncaught_exceptions() > 0) {
+      // Unwinding towards AbortAll: waiting could block forever on a peer that
+      // is itself failing. Keep the buffers alive (MPI may still write them)
+      // and let the abort end the process.
+      (void)pending_.release();
+      return;
+    }
+    const absl::Status status = Wait();
+    if (!status.ok())
+      std::fprintf(stderr, "moefit: dropped unwaited %s\n", status.ToString().c_str());
+  }
+
+  // Posts the MPI calls; a failure to post completes the work with that error.
+  void Start(const std::function<absl::Status(PendingMpi&)>& post) {
+    const absl::Status status = post(*pending_);
+    if (!status.ok() || pending_->requests.empty()) Finish(status);
+  }
+
+  bool IsCompleted() override {
+    if (completed_) return true;
+    bool done = false;
+    const absl::Status status = TestAll(pending_->requests, &done);
+    if (!status.ok() || done) Finish(status);
+    return completed_;
+  }
+
+  absl::Status DoWait(absl::Duration timeout) override {
+    if (completed_) return status_;
+    if (timeout == absl::InfiniteDuration()) {
+      Finish(WaitAll(pending_->requests));
+      return status_;
+    }
+    const absl::Time deadline = absl::Now() + timeout;
+    while (!IsCompleted()) {
+      if (absl::Now() >= deadline) {
+        return absl::DeadlineExceededError(absl::StrCat(what_, " did not finish within ",
+                                                        absl::FormatDuration(timeout),
+                                                        "; a peer is late, stuck or gone"));
+      }
+      // Polling keeps MPI progressing; 50 us costs little next to a collective.
+      absl::SleepFor(absl::Microseconds(50));
+    }
+    return status_;
+  }
+
+ private:
+  void Finish(absl::Status status) {
+    if (status.ok() && pending_->on_success) {
+      try {
+        pending_->on_success();
+      } catch (const std::exception& error) {
+        status = absl::InternalError(error.what());
+      }
+    }
+    completed_ = true;
+    if (status.ok()) {
+      pending_.reset();
+      status_ = absl::OkStatus();
+      return;
+    }
+    // After a failure MPI may still own the buffers; the job is about to be
+    // aborted, so keep them alive rather than risk a write into freed memory.
+    (void)pending_.release();
+    status_ = absl::Status(status.code(), absl::StrCat(what_, ": ", status.message()));
+  }
+
+  const std::string what_;
+  std::unique_ptr<PendingMpi> pending_;
+  bool completed_ = false;
+  absl::Status status_;
+};
+
+MPI_Op ToMpiOp(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return MPI_SUM;
+    case ReduceOp::kMax:
+      return MPI_MAX;
+    case ReduceOp::kMin:
+      return MPI_MIN;
+  }
+  TORCH_CHECK(false, "unknown ReduceOp ", static_cast<int>(op));
+}
+
+// An int count for a single-block MPI call, or OutOfRange naming `what`.
+absl::StatusOr<int> ToIntCount(int64_t count, absl::string_view what) {
+  if (count < 0 || count > INT_MAX) {
+    return absl::OutOfRangeError(absl::StrCat(what, ": count ", count, " does not fit MPI's int"));
+  }
+  return static_cast<int>(count);
+}
+
+char* BytePointer(const at::Tensor& tensor) { return static_cast<char*>(tensor.data_ptr()); }
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<MpiCommunicator>> MpiCommunicator::Create(
+    MPI_Comm base, const MpiCommunicatorOptions& options) {
+  MPI_Comm comm = MPI_COMM_NULL;
+  MOEFIT_CHECK_FOREIGN(MPI_Comm_dup(base, &comm));
+  return Adopt(comm, options);
+}
+
+absl::StatusOr<std::shared_ptr<MpiCommunicator>> MpiCommunicator::Adopt(
+    MPI_Comm comm, MpiCommunicatorOptions options) {
+  int rank = 0;
+  int size = 0;
+  const absl::Status status = [&]() -> absl::Status {
+    MOEFIT_CHECK_FOREIGN(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
+    MOEFIT_CHECK_FOREIGN(MPI_Comm_rank(comm, &rank));
+    MOEFIT_CHECK_FOREIGN(MPI_Comm_size(comm, &size));
+    return absl::OkStatus();
+  }();
+  if (!status.ok()) {
+    // Best effort on a communicator that is already failing; the first error
+    // is the one worth reporting.
+    (void)MPI_Comm_free(&comm);
+    return status;
+  }
+  TORCH_CHECK(options.max_elements_per_call > 0,
+              "MpiCommunicatorOptions.max_elements_per_call must be positive");
+  return std::shared_ptr<MpiCommunicator>(
+      new MpiCommunicator(comm, rank, size, std::move(options)));
+}
+
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options)
+    : Communicator(rank, size, options.name), comm_(comm), options_(std::move(options)) {}
+
+MpiCommunicator::~MpiCommunicator() {
+  const absl::Status status = Free();
+  if (!status.ok())
+    std::fprintf(stderr, "moefit: freeing %s: %s\n", Describe().c_str(), status.ToString().c_str());
+}
+
+int64_t MpiCommunicator::MaxCountPerCall() const {
+  return std::min<int64_t>(options_.max_elements_per_call, INT_MAX);
+}
+
+absl::Status MpiCommunicator::Free() {
+  int finalized = 0;
+  MOEFIT_CHECK_FOREIGN(MPI_Finalized(&finalized));
+  if (!finalized && comm_ != MPI_COMM_NULL) MOEFIT_CHECK_FOREIGN(MPI_Comm_free(&comm_));
+  return absl::OkStatus();
+}
+
+namespace {
+
+std::shared_ptr<Work> Post(std::string what, const std::function<absl::Status(PendingMpi&)>& post) {
+  auto work = std::make_shared<MpiWork>(std::move(what));
+  work->Start(post);
+  return work;
+}
+
+}  // namespace
+
+std::shared_ptr<Work> MpiCommunicator::AllToAllCounts(const at::Tensor& send_counts,
+                                                      const at::Tensor& recv_counts) {
+  internal::CheckAllToAllCounts(*this, send_counts, recv_counts);
+  return Post(absl::StrCat("AllToAllCounts on ", Describe()),
+              [&](PendingMpi& pending) -> absl::Status {
+                const absl::StatusOr<int> per_peer =
+                    ToIntCount(send_counts.numel() / size(), "AllToAllCounts");
+                if (!per_peer.ok()) return per_peer.status();
+                pending.tensors = {send_counts, recv_counts};
+                MOEFIT_CHECK_FOREIGN(MPI_Ialltoall(send_counts.data_ptr(), *per_peer, MPI_INT64_T,
+                                                   recv_counts.data_ptr(), *per_peer, MPI_INT64_T,
+                                                   comm_, &pending.requests.emplace_back()));
+                return absl::OkStatus();
+              });
+}
+
+std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
+                                                 absl::Span<const int64_t> send_row_counts,
+                                                 const at::Tensor& recv,
+                                                 absl::Span<const int64_t> recv_row_counts) {
+  internal::CheckAllToAllV(*this, send, send_row_counts, recv, recv_row_counts);
+  return Post(absl::StrCat("AllToAllV on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+    const int64_t row_bytes = internal::RowBytes(send);
+    if (row_bytes == 0)
+      return absl::OkStatus();  // rows of zero elements: nothing to move on any rank
+    internal::ScopedRowType row_type;
+    if (absl::Status status = row_type.Init(row_bytes, "AllToAllV"); !status.ok()) return status;
+    absl::StatusOr<internal::MpiCounts> send_counts =
+        internal::ToMpiCounts(send_row_counts, "AllToAllV send rows");
+    if (!send_counts.ok()) return send_counts.status();
+    absl::StatusOr<internal::MpiCounts> recv_counts =
+        internal::ToMpiCounts(recv_row_counts, "AllToAllV recv rows");
+    if (!recv_counts.ok()) return recv_counts.status();
+    pending.send_counts = *std::move(send_counts);
+    pending.recv_counts = *std::move(recv_counts);
+    pending.tensors = {send, recv};
+    MOEFIT_CHECK_FOREIGN(MPI_Ialltoallv(send.data_ptr(), pending.send_counts.counts.data(),
+                                        pending.send_counts.displacements.data(), row_type.get(),
+                                        recv.data_ptr(), pending.recv_counts.counts.data(),
+                                        pending.recv_counts.displacements.data(), row_type.get(),
+                                        comm_, &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
+}
+
+std::shared_ptr<Work> MpiCommunicator::AllReduce(const at::Tensor& tensor, ReduceOp op) {
+  internal::CheckAllReduce(*this, tensor);
+  return Post(absl::StrCat("AllReduce(", ReduceOpName(op), ") on ", Describe()),
+              [&](PendingMpi& pending) -> absl::Status {
+                at::Tensor buffer = tensor;
+                if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
+                  // No MPI type: reduce an fp32 copy, round back once at the end.
+                  buffer = tensor.to(at::kFloat);
+                  pending.on_success = [tensor, buffer] { tensor.copy_(buffer); };
+                }
+                pending.tensors = {tensor, buffer};
+                const MPI_Datatype type = internal::ReductionDatatype(buffer.scalar_type());
+                const MPI_Op mpi_op = ToMpiOp(op);
+                const int64_t element_bytes = buffer.element_size();
+                const int64_t max_count = MaxCountPerCall();
+                for (int64_t offset = 0; offset < buffer.numel(); offset += max_count) {
+                  const int64_t count = std::min(max_count, buffer.numel() - offset);
+                  MOEFIT_CHECK_FOREIGN(MPI_Iallreduce(MPI_IN_PLACE,
+                                                      BytePointer(buffer) + offset * element_bytes,
+                                                      static_cast<int>(count), type, mpi_op, comm_,
+                                                      &pending.requests.emplace_back()));
+                }
+                return absl::OkStatus();
+              });
+}
+
+std::shared_ptr<Work> MpiCommunicator::AllGather(const at::Tensor& send, const at::Tensor& recv) {
+  internal::CheckAllGather(*this, send, recv);
+  return Post(absl::StrCat("AllGather on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+    const int64_t row_bytes = internal::RowBytes(send);
+    if (row_bytes == 0 || send.size(0) == 0) return absl::OkStatus();  // the same on every rank
+    internal::ScopedRowType row_type;
+    if (absl::Status status = row_type.Init(row_bytes, "AllGather"); !status.ok()) return status;
+    const absl::StatusOr<int> num_rows = ToIntCount(recv.size(0), "AllGather rows");
+    if (!num_rows.ok()) return num_rows.status();
+    pending.tensors = {send, recv};
+    const int num_send_rows = static_cast<int>(send.size(0));
+    MOEFIT_CHECK_FOREIGN(MPI_Iallgather(send.data_ptr(), num_send_rows, row_type.get(),
+                                        recv.data_ptr(), num_send_rows, row_type.get(), comm_,
+                                        &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
+}
+
+std::shared_ptr<Work> MpiCommunicator::AllGatherV(const at::Tensor& send, const at::Tensor& recv,
+                                                  absl::Span<const int64_t> recv_row_counts) {
+  internal::CheckAllGatherV(*this, send, recv, recv_row_counts);
+  return Post(absl::StrCat("AllGatherV on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+    const int64_t row_bytes = internal::RowBytes(send);
+    if (row_bytes == 0) return absl::OkStatus();
+    internal::ScopedRowType row_type;
+    if (absl::Status status = row_type.Init(row_bytes, "AllGatherV"); !status.ok()) return status;
+    absl::StatusOr<internal::MpiCounts> recv_counts =
+        internal::ToMpiCounts(recv_row_counts, "AllGatherV rows");
+    if (!recv_counts.ok()) return recv_counts.status();
+    pending.recv_counts = *std::move(recv_counts);
+    pending.tensors = {send, recv};
+    MOEFIT_CHECK_FOREIGN(MPI_Iallgatherv(
+        send.data_ptr(), pending.recv_counts.counts[rank()], row_type.get(), recv.data_ptr(),
+        pending.recv_counts.counts.data(), pending.recv_counts.displacements.data(), row_type.get(),
+        comm_, &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
+}
+
+std::shared_ptr<Work> MpiCommunicator::Broadcast(const at::Tensor& tensor, int root_rank) {
+  internal::CheckBroadcast(*this, tensor, root_rank);
+  return Post(absl::StrCat("Broadcast from rank ", root_rank, " on ", Describe()),
+              [&](PendingMpi& pending) -> absl::Status {
+                // Raw data, no arithmetic: any dtype travels as same-width integers.
+                int64_t unit_bytes = 1;
+                const MPI_Datatype unit = internal::CopyUnit(tensor.element_size(), &unit_bytes);
+                const int64_t num_units = static_cast<int64_t>(tensor.nbytes()) / unit_bytes;
+                pending.tensors = {tensor};
+                const int64_t max_count = MaxCountPerCall();
+                for (int64_t offset = 0; offset < num_units; offset += max_count) {
+                  const int64_t count = std::min(max_count, num_units - offset);
+                  MOEFIT_CHECK_FOREIGN(MPI_Ibcast(BytePointer(tensor) + offset * unit_bytes,
+                                                  static_cast<int>(count), unit, root_rank, comm_,
+                                                  &pending.requests.emplace_back()));
+                }
+                return absl::OkStatus();
+              });
+}
+
+std::shared_ptr<Work> MpiCommunicator::Barrier() {
+  return Post(absl::StrCat("Barrier on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+    MOEFIT_CHECK_FOREIGN(MPI_Ibarrier(comm_, &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
+}
+
+absl::StatusOr<std::shared_ptr<Communicator>> MpiCommunicator::Split(int color, int key,
+                                                                     std::string name) {
+  MPI_Comm sub_comm = MPI_COMM_NULL;
+  MOEFIT_CHECK_FOREIGN(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub_comm));
+  if (sub_comm == MPI_COMM_NULL) return std::shared_ptr<Communicator>();
+  MpiCommunicatorOptions sub_options = options_;
+  sub_options.name = name.empty() ? absl::StrCat(this->name(), "/", color) : std::move(name);
+  absl::StatusOr<std::shared_ptr<MpiCommunicator>> sub = Adopt(sub_comm, std::move(sub_options));
+  if (!sub.ok()) return sub.status();
+  return std::shared_ptr<Communicator>(*std::move(sub));
+}
+
+}  // namespace moefit::parallel

@@ -1,0 +1,28 @@
+# Runs CMD (a ;-list, typically `mpirun -np N abort_demo ...`) and checks that
+# the job failed the way a failing rank must end it: a non-zero exit (mpirun
+# passes on the MPI_Abort code, or another non-zero one: any counts), within
+# MAX_SECONDS (a hang is the failure this guards against), with output matching
+# EXPECT_REGEX exactly once (the reason is printed once, not by every rank).
+#   cmake -DCMD=... -DMAX_SECONDS=30 -DEXPECT_REGEX=... -P expect_abort.cmake
+string(TIMESTAMP start_s "%s" UTC)
+execute_process(COMMAND ${CMD} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                TIMEOUT ${MAX_SECONDS})
+string(TIMESTAMP end_s "%s" UTC)
+math(EXPR elapsed_s "${end_s} - ${start_s}")
+set(all "${out}${err}")
+
+if(rc MATCHES "timeout")
+  message(FATAL_ERROR "still running after ${MAX_SECONDS} s: the failure did not end the job\n${all}")
+endif()
+if("${rc}" STREQUAL "0")
+  message(FATAL_ERROR "exit code 0, expected a failure; output:\n${all}")
+endif()
+if(elapsed_s GREATER_EQUAL MAX_SECONDS)
+  message(FATAL_ERROR "took ${elapsed_s} s, limit ${MAX_SECONDS} s; output:\n${all}")
+endif()
+string(REGEX MATCHALL "${EXPECT_REGEX}" matches "${all}")
+list(LENGTH matches num_matches)
+if(NOT num_matches EQUAL 1)
+  message(FATAL_ERROR "output matches '${EXPECT_REGEX}' ${num_matches} times, expected once:\n${all}")
+endif()
+message(STATUS "ok: exit ${rc} after ${elapsed_s} s; output:\n${all}")

@@ -1,0 +1,20 @@
+// What mpi_test_main.cc provides to multi-rank tests: the world communicator.
+//
+// Multi-rank tests are ordinary GoogleTest binaries that ctest starts under
+// `mpirun -np N`; mpi_test_main.cc starts MPI before RUN_ALL_TESTS, prints
+// gtest output from rank 0 (other ranks print only their failures, prefixed
+// with the rank) and makes every rank exit non-zero if any rank failed.
+// Tests must not return early (ASSERT_*) between collectives on only some
+// ranks: the others would wait for them until the ctest timeout.
+#pragma once
+
+#include <memory>
+
+#include "parallel/mpi_communicator.h"
+
+namespace moefit::parallel::testing {
+
+// MPI_COMM_WORLD as an MpiCommunicator named "world", alive for the whole run.
+const std::shared_ptr<MpiCommunicator>& World();
+
+}  // namespace moefit::parallel::testing

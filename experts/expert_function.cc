@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <atomic>
+#include <chrono>
 #include <numeric>
 
 namespace moefit::experts {
@@ -12,11 +14,28 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
+std::atomic<int64_t> compute_ns{0};
+
+// Adds the lifetime of the object to compute_ns.
+class ComputeTimer {
+ public:
+  ComputeTimer() : start_(std::chrono::steady_clock::now()) {}
+  ~ComputeTimer() {
+    compute_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                      std::chrono::steady_clock::now() - start_)
+                      .count();
+  }
+
+ private:
+  std::chrono::steady_clock::time_point start_;
+};
+
 class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
                             ExpertBackend* backend, const std::vector<int64_t>& counts) {
+    ComputeTimer timer;
     at::Tensor activations;
     at::Tensor y = backend->Forward(x, counts, {gate_up_proj, down_proj}, &activations);
     ctx->save_for_backward({x, gate_up_proj, down_proj, activations});
@@ -26,6 +45,7 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    ComputeTimer timer;
     const variable_list saved = ctx->get_saved_variables();
     auto* backend = reinterpret_cast<ExpertBackend*>(ctx->saved_data["backend"].toInt());
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
@@ -36,6 +56,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
 };
 
 }  // namespace
+
+double ExpertComputeSeconds() { return static_cast<double>(compute_ns.load()) * 1e-9; }
 
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                      const std::vector<int64_t>& counts, const at::Tensor& gate_up_proj,

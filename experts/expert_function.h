@@ -21,4 +21,8 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                      const std::vector<int64_t>& counts, const at::Tensor& gate_up_proj,
                      const at::Tensor& down_proj);
 
+// Wall-clock seconds this process has spent in expert backends (forward and
+// backward) since it started: the "expert compute" of a step's time split.
+double ExpertComputeSeconds();
+
 }  // namespace moefit::experts

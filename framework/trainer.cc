@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "proto/metrics.pb.h"
+#include "experts/expert_function.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "router/gating.h"
@@ -132,6 +133,8 @@ StepStats Trainer::Step(int64_t step) {
   const ModelOptions& mo = s.model.options();
   parallel::Communicator& dp = *s.groups.data_parallel;
   const auto start = std::chrono::steady_clock::now();
+  const double expert_start = experts::ExpertComputeSeconds();
+  const double comm_start = parallel::CommunicationWaitSeconds();
   const int64_t mb = o.micro_batch_size;
   const int64_t per_micro = mb * dp.size();
   const std::vector<int64_t> global = s.sampler.GlobalBatch(step, per_micro * o.grad_accum_steps);
@@ -206,6 +209,8 @@ StepStats Trainer::Step(int64_t step) {
   }
   stats.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
+  stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
   return stats;
 }
 
@@ -257,6 +262,9 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_tokens_per_s(tok_s);
       m.set_eta_s(eta);
       m.set_tokens(st.tokens);
+      m.set_step_s(st.seconds);
+      m.set_expert_s(st.expert_seconds);
+      m.set_comm_s(st.comm_seconds);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);

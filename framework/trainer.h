@@ -72,7 +72,9 @@ struct StepStats {
   double lr = 0;
   double grad_norm = 0;  // before clipping
   int64_t tokens = 0;    // tokens processed in the step
-  double seconds = 0;
+  double seconds = 0;         // wall clock of the step
+  double expert_seconds = 0;  // of which in the expert backends
+  double comm_seconds = 0;    // of which blocked in collectives
   std::vector<LayerLoad> moe_layers;
 };
 

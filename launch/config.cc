@@ -208,10 +208,16 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   return absl::OkStatus();
 }
 
+proto::Config DefaultConfig() {
+  proto::Config config;
+  const absl::Status s = MergeText(kDefaults, "<defaults>", &config);
+  TORCH_CHECK(s.ok(), "built-in defaults: ", s.message());
+  return config;
+}
+
 absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
                                          const std::vector<std::string>& overrides) {
-  proto::Config config;
-  MOEFIT_RETURN_IF_ERROR(MergeText(kDefaults, "<defaults>", &config));
+  proto::Config config = DefaultConfig();
   if (path.empty()) {
     MOEFIT_RETURN_IF_ERROR(MergeText(kDemoConfig, "<demo config>", &config));
   } else {

@@ -23,6 +23,9 @@ namespace moefit::launch {
 // Qwen3-MoE-shaped model on the corpus shipped with moefit.
 extern const char kDemoConfig[];
 
+// The built-in defaults of every field but the model's.
+proto::Config DefaultConfig();
+
 // Reads `path` (empty = the demo config) merged onto the defaults, then
 // applies each "path.to.field=value" override in order, then merges the
 // model's config_json. InvalidArgument / NotFound on bad input.

@@ -7,6 +7,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <atomic>
+#include <chrono>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -38,6 +40,21 @@ const char* ReduceOpName(ReduceOp op) {
       return "min";
   }
   return "unknown";
+}
+
+namespace {
+std::atomic<int64_t> wait_ns{0};
+}  // namespace
+
+double CommunicationWaitSeconds() { return static_cast<double>(wait_ns.load()) * 1e-9; }
+
+absl::Status Work::Wait(absl::Duration timeout) {
+  const auto start = std::chrono::steady_clock::now();
+  absl::Status status = DoWait(timeout);
+  wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                 std::chrono::steady_clock::now() - start)
+                 .count();
+  return status;
 }
 
 void Work::WaitOrThrow() {

@@ -46,6 +46,11 @@ namespace moefit::parallel {
 
 enum class ReduceOp { kSum, kMax, kMin };
 
+// Wall-clock seconds this process has spent blocked in Work::Wait since it
+// started: the "communication" of a step's time split (it includes waiting
+// for slower peers, i.e. load imbalance).
+double CommunicationWaitSeconds();
+
 const char* ReduceOpName(ReduceOp op);
 
 // A posted collective. Buffers handed to the collective must not be read or
@@ -68,7 +73,7 @@ class Work {
   // the collective is still running then (a peer is late or gone). The
   // collective stays posted: wait again, or end the job with AbortAll; nothing
   // else is safe. Calling Wait again after completion returns the same status.
-  absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration()) { return DoWait(timeout); }
+  absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration());
 
   // Blocking convenience for code that reports errors by exception (autograd
   // functions): Wait(), then throws c10::Error with the status message if it

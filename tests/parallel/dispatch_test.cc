@@ -68,7 +68,9 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   for (size_t e = 0; e < d.counts.size(); ++e) {
     EXPECT_EQ(d.counts[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
   }
-  if (world->rank() == 0) EXPECT_EQ(d.counts[0], 0);  // expert 0 receives nothing
+  if (world->rank() == 0) {
+    EXPECT_EQ(d.counts[0], 0);  // expert 0 receives nothing
+  }
 
   at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first), *d.route);
   ASSERT_EQ(back.size(0), c.x.size(0) * kTopK);

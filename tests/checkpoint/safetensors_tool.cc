@@ -1,0 +1,169 @@
+// Command-line bridge between moefit's safetensors code and the Python
+// `safetensors` package, for tests/interop/test_safetensors.py.
+//
+//   safetensors_tool dump FILE    prints the file as JSON: metadata, and for each
+//                                 tensor in file order its name, dtype, shape,
+//                                 FNV-1a 64 of its raw bytes, and its values
+//   safetensors_tool write FILE   writes a fixed set of tensors (see WriteFixed;
+//                                 the pytest rebuilds the same tensors in Python)
+//
+// Values are printed as numbers after conversion through tensor_io (to double,
+// or raw for 64-bit integers, so nothing is rounded); non-finite floats as the
+// strings "nan", "inf", "-inf". Dtypes torch cannot hold (F6_*) and packed F4
+// get "values": null and are compared by checksum only. Exit status 1 with the
+// error on stderr when the file cannot be read or written.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+#include "checkpoint/tensor_io.h"
+#include "nlohmann/json.hpp"
+
+namespace moefit::checkpoint {
+namespace {
+
+using Json = nlohmann::ordered_json;
+
+uint64_t Fnv1a64(std::span<const std::byte> bytes) {
+  uint64_t hash = 0xcbf29ce484222325ull;
+  for (std::byte b : bytes) {
+    hash ^= static_cast<uint8_t>(b);
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
+Json FloatValue(double value) {
+  if (std::isnan(value)) return "nan";
+  if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
+  return value;
+}
+
+// Little-endian elements of type T straight from the bytes (no rounding).
+template <typename T>
+Json RawValues(std::span<const std::byte> bytes) {
+  Json values = Json::array();
+  for (size_t offset = 0; offset + sizeof(T) <= bytes.size(); offset += sizeof(T)) {
+    T value;
+    std::memcpy(&value, bytes.data() + offset, sizeof(T));
+    values.push_back(value);
+  }
+  return values;
+}
+
+absl::StatusOr<Json> Values(const SafetensorsFile& file, const TensorInfo& info) {
+  const std::span<const std::byte> bytes = file.TensorBytes(info);
+  switch (info.dtype) {
+    case Dtype::kI64:
+      return RawValues<int64_t>(bytes);
+    case Dtype::kU64:
+      return RawValues<uint64_t>(bytes);
+    case Dtype::kC64: {
+      Json values = Json::array();
+      for (size_t offset = 0; offset + 8 <= bytes.size(); offset += 8) {
+        float parts[2];
+        std::memcpy(parts, bytes.data() + offset, 8);
+        values.push_back(Json::array({FloatValue(parts[0]), FloatValue(parts[1])}));
+      }
+      return values;
+    }
+    case Dtype::kF4:
+    case Dtype::kF6E2M3:
+    case Dtype::kF6E3M2:
+      return Json(nullptr);
+    default:
+      break;
+  }
+  absl::StatusOr<at::Tensor> tensor = ReadTensor(file, info, {.dtype = at::kDouble});
+  if (!tensor.ok()) return tensor.status();
+  const at::Tensor flat = tensor->contiguous().view(-1);
+  Json values = Json::array();
+  const double* data = flat.const_data_ptr<double>();
+  for (int64_t idx = 0; idx < flat.numel(); ++idx) values.push_back(FloatValue(data[idx]));
+  return values;
+}
+
+int Dump(const std::string& path) {
+  absl::StatusOr<SafetensorsFile> file = SafetensorsFile::Open(path);
+  if (!file.ok()) {
+    std::cerr << file.status() << "\n";
+    return 1;
+  }
+  Json out = Json::object();
+  out["metadata"] = file->metadata();
+  Json tensors = Json::array();
+  for (const TensorInfo& info : file->tensors()) {
+    absl::StatusOr<Json> values = Values(*file, info);
+    if (!values.ok()) {
+      std::cerr << values.status() << "\n";
+      return 1;
+    }
+    char hash[17];
+    std::snprintf(hash, sizeof(hash), "%016llx",
+                  static_cast<unsigned long long>(Fnv1a64(file->TensorBytes(info))));
+    tensors.push_back(Json{{"name", info.name},
+                           {"dtype", std::string(DtypeName(info.dtype))},
+                           {"shape", info.shape},
+                           {"fnv1a64", hash},
+                           {"values", *std::move(values)}});
+  }
+  out["tensors"] = std::move(tensors);
+  std::cout << out.dump(1) << "\n";
+  return 0;
+}
+
+// The fixed tensors of `write`; test_safetensors.py::expected_written_tensors
+// builds the same ones with the same torch ops.
+std::vector<std::pair<std::string, at::Tensor>> FixedTensors() {
+  const at::Tensor ramp = at::arange(12, at::kDouble) * 0.37 - 1.1;
+  const at::Tensor ints = at::arange(6, at::kLong);
+  return {
+      {"f32", ramp.to(at::kFloat).reshape({3, 4})},
+      {"f64", ramp},
+      {"f16", ramp.to(at::kHalf).reshape({2, 6})},
+      {"bf16", ramp.to(at::kBFloat16)},
+      {"f8_e4m3", ramp.to(at::kFloat8_e4m3fn)},
+      {"f8_e5m2", ramp.to(at::kFloat8_e5m2)},
+      {"i64", ints * 1000000000000LL - 2500000000000LL},
+      {"i32", (ints * 100000 - 250000).to(at::kInt)},
+      {"i16", (ints * 1000 - 2500).to(at::kShort)},
+      {"i8", (ints * 40 - 100).to(at::kChar)},
+      {"u8", (ints * 50).to(at::kByte)},
+      {"u16", (ints * 10000).to(at::kUInt16)},
+      {"u32", (ints * 800000000).to(at::kUInt32)},
+      {"bool", at::arange(5, at::kLong).remainder(2).eq(0)},
+      {"c64", at::complex(at::arange(4, at::kFloat), -at::arange(4, at::kFloat))},
+      {"scalar", at::scalar_tensor(3.25, at::kFloat)},
+      {"empty", at::zeros({0, 4}, at::kFloat)},
+      {"model.layers.0.mlp.experts.10.w", at::arange(4, at::kFloat).reshape({2, 2})},
+      {"model.layers.0.mlp.experts.9.w", -at::arange(4, at::kFloat).reshape({2, 2})},
+  };
+}
+
+int Write(const std::string& path) {
+  const absl::Status status = SaveTensors(
+      path, FixedTensors(), {.metadata = {{"producer", "moefit safetensors_tool"}, {"step", "7"}}});
+  if (!status.ok()) {
+    std::cerr << status << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace moefit::checkpoint
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::string(argv[1]) == "dump") return moefit::checkpoint::Dump(argv[2]);
+  if (argc == 3 && std::string(argv[1]) == "write") return moefit::checkpoint::Write(argv[2]);
+  std::cerr << "usage: " << argv[0] << " dump FILE | write FILE\n";
+  return 2;
+}

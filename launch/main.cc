@@ -20,6 +20,7 @@
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
 #include "parallel/dispatcher.h"
+#include "launch/inspect_command.h"
 #include "launch/train_command.h"
 #include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
@@ -48,6 +49,10 @@ std::string Usage() {
          "      --set overrides any field, e.g. --set optimizer.lr=3e-4 --set train.steps=20;\n"
          "      repeated fields take a list: --set model.mlp_only_layers=[0,3].\n"
          "      model.config_json: PATH reads the model shape from a Hugging Face config.json.\n"
+         "  inspect DIR|FILE\n"
+         "      List what a checkpoint holds (a .safetensors file, or a model directory with\n"
+         "      config.json): tensors grouped by name pattern, dtypes, shapes, total and active\n"
+         "      parameter counts, the MoE layout.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -194,6 +199,18 @@ int Main(int argc, char** argv) {
     return kExitOk;
   }
   if (cmd == "train") return TrainMain(argc, argv);
+  if (cmd == "inspect") {
+    if (argc != 3 || absl::StartsWith(argv[2], "-")) {
+      if (argc == 3 && (std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0)) {
+        std::cout << Usage();
+        return kExitOk;
+      }
+      std::cerr << "moefit: usage: moefit inspect DIR|FILE" << std::endl;
+      return kExitBadInput;
+    }
+    absl::Status s = RunInspect(argv[2], std::cout);
+    return s.ok() ? kExitOk : Fail(s);
+  }
   std::cerr << "moefit: unknown command '" << cmd << "' (see moefit --help)" << std::endl;
   return kExitBadInput;
 }

@@ -7,6 +7,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <torch/cuda.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -14,6 +15,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -61,6 +63,7 @@ const char kDefaults[] = R"pb(
   train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
   experts { backend: "grouped" dtype: "float32" num_threads: 0 }
   parallel { device: "auto" ep_size: 0 dispatcher: "alltoall" }
+  checkpoint { max_shard_bytes: 5000000000 }
   logging { log_every: 1 }
 )pb";
 
@@ -220,11 +223,21 @@ absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
   proto::Config config = DefaultConfig();
   if (path.empty()) {
     MOEFIT_RETURN_IF_ERROR(MergeText(kDemoConfig, "<demo config>", &config));
+    // The demo run on another model: its shape comes from that model alone.
+    for (const std::string& o : overrides) {
+      if (absl::StartsWith(o, "model.model_path=") || absl::StartsWith(o, "model.config_json=")) {
+        config.clear_model();
+      }
+    }
   } else {
     MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "config"));
     MOEFIT_RETURN_IF_ERROR(MergeText(text, path, &config));
   }
   for (const std::string& o : overrides) MOEFIT_RETURN_IF_ERROR(ApplyOverride(o, &config));
+  if (!config.model().model_path().empty() && config.model().config_json().empty()) {
+    config.mutable_model()->set_config_json(
+        (std::filesystem::path(config.model().model_path()) / "config.json").string());
+  }
   if (!config.model().config_json().empty()) {
     MOEFIT_RETURN_IF_ERROR(
         MergeHfConfigJson(config.model().config_json(), config.mutable_model()));
@@ -449,6 +462,23 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 "' is unknown (known: ", absl::StrJoin(dispatchers, ", "), ")"));
   }
   run.runtime.dispatcher = c.parallel().dispatcher();
+
+  run.model_path = c.model().model_path();
+  run.base_config_json = c.model().config_json();
+  run.save_dir = c.checkpoint().save_dir();
+  if (c.checkpoint().max_shard_bytes() <= 0) {
+    return Invalid(absl::StrCat("checkpoint.max_shard_bytes = ", c.checkpoint().max_shard_bytes(),
+                                " must be positive"));
+  }
+  run.max_shard_bytes = c.checkpoint().max_shard_bytes();
+  if (c.checkpoint().save_dtype() == "float32") {
+    run.save_dtype = at::kFloat;
+  } else if (c.checkpoint().save_dtype() == "bfloat16") {
+    run.save_dtype = at::kBFloat16;
+  } else if (!c.checkpoint().save_dtype().empty()) {
+    return Invalid(absl::StrCat("checkpoint.save_dtype = '", c.checkpoint().save_dtype(),
+                                "' must be float32 or bfloat16 (or empty: as trained)"));
+  }
 
   run.data = {c.data().format(), c.data().path()};
   if (run.data.format == "text") {

@@ -8,6 +8,7 @@
 // file and line) and the value, on one line.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,11 @@ struct RunConfig {
   int64_t seq_len = 0;
   int ep_size = 0;  // 0 = the world
   DataSpec data;
+  std::string model_path;        // pretrained weights; empty = random init
+  std::string base_config_json;  // config.json the shape came from, if any
+  std::string save_dir;          // HF directory written at the end; empty = none
+  int64_t max_shard_bytes = 5'000'000'000;
+  std::optional<at::ScalarType> save_dtype;
 };
 
 // Checks every field and resolves the family defaults.

@@ -1,11 +1,15 @@
 // The `moefit` command line: a small subcommand dispatcher; each command's
-// flags are Abseil flags. Exit codes: 0 success, 1 runtime failure, 2 bad
-// input (usage, config, data), each with one message naming what was wrong.
+// flags are Abseil flags (`--save-logits` and `--save_logits` both work).
+// Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, data,
+// checkpoint), each with one message naming what was wrong. Under mpirun every
+// command runs collectively, and any rank's failure ends every rank.
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -15,19 +19,27 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "experts/registry.h"
 #include "framework/families/family.h"
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
-#include "parallel/dispatcher.h"
+#include "launch/eval_command.h"
+#include "launch/export_command.h"
 #include "launch/inspect_command.h"
 #include "launch/train_command.h"
+#include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_runtime.h"
 
 ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
+ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to evaluate");
+ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
+ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
+ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export: largest shard in bytes");
+ABSL_FLAG(std::string, save_dtype, "", "export: dtype of the written weights (float32, bfloat16)");
 
 namespace moefit::launch {
 namespace {
@@ -48,11 +60,19 @@ std::string Usage() {
          "      Qwen3-MoE-shaped model on the English corpus shipped with moefit.\n"
          "      --set overrides any field, e.g. --set optimizer.lr=3e-4 --set train.steps=20;\n"
          "      repeated fields take a list: --set model.mlp_only_layers=[0,3].\n"
-         "      model.config_json: PATH reads the model shape from a Hugging Face config.json.\n"
+         "      model.model_path: DIR starts from a Hugging Face model directory's weights;\n"
+         "      checkpoint.save_dir: DIR writes the trained model there in the same format.\n"
+         "  eval [CONFIG] [--set FIELD=VALUE]... [--eval_sequences N]\n"
+         "       [--save_logits OUT.safetensors --input_ids IN.safetensors]\n"
+         "      Loss and perplexity of the model on the first N sequences of the data, or\n"
+         "      the logits for the given input ids, to compare with another implementation.\n"
          "  inspect DIR|FILE\n"
          "      List what a checkpoint holds (a .safetensors file, or a model directory with\n"
          "      config.json): tensors grouped by name pattern, dtypes, shapes, total and active\n"
          "      parameter counts, the MoE layout.\n"
+         "  export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype float32|bfloat16]\n"
+         "      Rewrite a model directory in the standard Hugging Face layout (per-expert\n"
+         "      tensors, sharded safetensors, index), from any layout its family reads.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -62,7 +82,7 @@ std::string Usage() {
          "expert backends: " +
          absl::StrJoin(experts::ExpertBackendNames(), ", ") +
          "\n"
-         "expert parallelism: mpirun -np N moefit train ... spreads the experts over N\n"
+         "expert parallelism: mpirun -np N moefit <command> ... spreads the experts over N\n"
          "      processes (parallel.ep_size, parallel.dispatcher: " +
          absl::StrJoin(parallel::DispatcherNames(), ", ") +
          ").\n"
@@ -94,72 +114,60 @@ int Fail(const absl::Status& s) {
   return ExitCodeFor(s);
 }
 
+struct Args {
+  std::vector<std::string> sets;
+  std::vector<std::string> positional;
+  bool help = false;
+};
+
 // Separates repeated `--set X` / `--set=X` (which Abseil flags cannot
-// accumulate) from the rest, and rejects flags this binary does not define.
-bool SplitArgs(int argc, char** argv, std::vector<std::string>* sets,
-               std::vector<char*>* rest, bool* help) {
-  rest->push_back(argv[0]);
+// accumulate), accepts dashes for underscores in flag names, rejects flags the
+// command does not take, and hands the rest to Abseil.
+bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args* out) {
+  std::vector<std::string> rest_storage = {argv[0]};
   for (int i = 2; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--help" || a == "-h") {
-      *help = true;
-    } else if (a == "--set") {
+      out->help = true;
+    } else if (a == "--set" && allowed.count("set")) {
       if (i + 1 >= argc) {
         std::cerr << "moefit: --set needs FIELD=VALUE" << std::endl;
         return false;
       }
-      sets->push_back(argv[++i]);
-    } else if (absl::StartsWith(a, "--set=")) {
-      sets->push_back(a.substr(6));
-    } else if (absl::StartsWith(a, "-") && a != "-" && a != "--") {
-      std::string name = a.substr(a.find_first_not_of('-'));
-      name = name.substr(0, name.find('='));
-      if (absl::FindCommandLineFlag(name) == nullptr &&
-          !(absl::StartsWith(name, "no") && absl::FindCommandLineFlag(name.substr(2)))) {
-        std::cerr << "moefit: unknown flag '" << a << "' (see moefit --help)" << std::endl;
+      out->sets.push_back(argv[++i]);
+    } else if (absl::StartsWith(a, "--set=") && allowed.count("set")) {
+      out->sets.push_back(a.substr(6));
+    } else if (absl::StartsWith(a, "-") && a != "-") {
+      const size_t dashes = a.find_first_not_of('-');
+      const size_t eq = a.find('=');
+      std::string name = absl::StrReplaceAll(a.substr(dashes, eq == std::string::npos ? eq : eq - dashes),
+                                             {{"-", "_"}});
+      const std::string base = absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
+      if (!allowed.count(base) || absl::FindCommandLineFlag(base) == nullptr) {
+        std::cerr << "moefit: unknown flag '" << a << "' for " << argv[1] << " (see moefit --help)"
+                  << std::endl;
         return false;
       }
-      rest->push_back(argv[i]);
+      rest_storage.push_back("--" + name + (eq == std::string::npos ? "" : a.substr(eq)));
     } else {
-      rest->push_back(argv[i]);
+      rest_storage.push_back(a);
     }
   }
+  std::vector<char*> rest;
+  for (std::string& s : rest_storage) rest.push_back(s.data());
+  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
+  for (size_t i = 1; i < positional.size(); ++i) out->positional.emplace_back(positional[i]);
   return true;
 }
 
-int TrainMain(int argc, char** argv) {
-  std::vector<std::string> sets;
-  std::vector<char*> rest;
-  bool help = false;
-  if (!SplitArgs(argc, argv, &sets, &rest, &help)) return kExitBadInput;
-  if (help) {
-    std::cout << Usage();
-    return kExitOk;
-  }
-  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
-  if (positional.size() > 2) {
-    std::cerr << "moefit: train takes at most one CONFIG, got '" << positional[2] << "'"
-              << std::endl;
-    return kExitBadInput;
-  }
-  const std::string config_path = positional.size() == 2 ? positional[1] : "";
-  absl::StatusOr<proto::Config> config = LoadConfig(config_path, sets);
-  if (!config.ok()) return Fail(config.status());
-  if (absl::GetFlag(FLAGS_print_config)) {
-    std::string text;
-    google::protobuf::TextFormat::PrintToString(*config, &text);
-    std::cout << text;
-    return kExitOk;
-  }
-  absl::StatusOr<RunConfig> run = ResolveConfig(*config);
-  if (!run.ok()) return Fail(run.status());
-
-  // Under mpirun every rank joins MPI's world; alone, the process is a world
-  // of one and needs no MPI at all.
+// Runs `body` with MPI's world under mpirun, else a world of one; a failure on
+// any rank of a multi-rank job ends all ranks.
+int RunCollective(int* argc, char*** argv,
+                  const std::function<absl::Status(std::shared_ptr<parallel::Communicator>)>& body) {
   std::unique_ptr<parallel::MpiRuntime> mpi;
   std::shared_ptr<parallel::Communicator> world;
   if (LaunchedByMpirun()) {
-    auto started = parallel::MpiRuntime::Start(&argc, &argv);
+    auto started = parallel::MpiRuntime::Start(argc, argv);
     if (!started.ok()) return Fail(started.status());
     mpi = std::move(*started);
     auto comm = parallel::MpiCommunicator::Create(MPI_COMM_WORLD);
@@ -170,7 +178,7 @@ int TrainMain(int argc, char** argv) {
   }
   absl::Status s;
   try {
-    s = RunTraining(*run, world, std::cout);
+    s = body(world);
   } catch (const std::exception& e) {
     s = absl::InternalError(e.what());
   }
@@ -179,6 +187,28 @@ int TrainMain(int argc, char** argv) {
     parallel::AbortAll(ExitCodeFor(s), absl::StrCat("rank ", world->rank(), ": ", s.message()));
   }
   return s.ok() ? kExitOk : Fail(s);
+}
+
+// train and eval: [CONFIG] [--set ...] -> the resolved run config.
+int LoadRun(const Args& args, const char* cmd, absl::StatusOr<RunConfig>* run) {
+  if (args.positional.size() > 1) {
+    std::cerr << "moefit: " << cmd << " takes at most one CONFIG, got '" << args.positional[1]
+              << "'" << std::endl;
+    return kExitBadInput;
+  }
+  absl::StatusOr<proto::Config> config =
+      LoadConfig(args.positional.empty() ? "" : args.positional[0], args.sets);
+  if (!config.ok()) return Fail(config.status());
+  if (absl::GetFlag(FLAGS_print_config)) {
+    std::string text;
+    google::protobuf::TextFormat::PrintToString(*config, &text);
+    std::cout << text;
+    *run = absl::CancelledError("printed");
+    return kExitOk;
+  }
+  *run = ResolveConfig(*config);
+  if (!run->ok()) return Fail(run->status());
+  return kExitOk;
 }
 
 int Main(int argc, char** argv) {
@@ -198,21 +228,67 @@ int Main(int argc, char** argv) {
     std::cout << "moefit " << MOEFIT_VERSION << std::endl;
     return kExitOk;
   }
-  if (cmd == "train") return TrainMain(argc, argv);
+  const std::map<std::string, std::set<std::string>> flags = {
+      {"train", {"set", "print_config"}},
+      {"eval", {"set", "print_config", "eval_sequences", "save_logits", "input_ids"}},
+      {"inspect", {}},
+      {"export", {"max_shard_bytes", "save_dtype"}},
+  };
+  auto it = flags.find(cmd);
+  if (it == flags.end()) {
+    std::cerr << "moefit: unknown command '" << cmd << "' (see moefit --help)" << std::endl;
+    return kExitBadInput;
+  }
+  Args args;
+  if (!ParseArgs(argc, argv, it->second, &args)) return kExitBadInput;
+  if (args.help) {
+    std::cout << Usage();
+    return kExitOk;
+  }
+
+  if (cmd == "train" || cmd == "eval") {
+    absl::StatusOr<RunConfig> run = absl::UnknownError("");
+    if (int rc = LoadRun(args, cmd.c_str(), &run); rc != kExitOk || !run.ok()) return rc;
+    if (cmd == "train") {
+      return RunCollective(&argc, &argv, [&](auto world) { return RunTraining(*run, world, std::cout); });
+    }
+    EvalOptions eval{absl::GetFlag(FLAGS_eval_sequences), absl::GetFlag(FLAGS_save_logits),
+                     absl::GetFlag(FLAGS_input_ids)};
+    return RunCollective(&argc, &argv, [&](auto world) { return RunEval(*run, eval, world, std::cout); });
+  }
   if (cmd == "inspect") {
-    if (argc != 3 || absl::StartsWith(argv[2], "-")) {
-      if (argc == 3 && (std::strcmp(argv[2], "--help") == 0 || std::strcmp(argv[2], "-h") == 0)) {
-        std::cout << Usage();
-        return kExitOk;
-      }
+    if (args.positional.size() != 1) {
       std::cerr << "moefit: usage: moefit inspect DIR|FILE" << std::endl;
       return kExitBadInput;
     }
-    absl::Status s = RunInspect(argv[2], std::cout);
+    absl::Status s = RunInspect(args.positional[0], std::cout);
     return s.ok() ? kExitOk : Fail(s);
   }
-  std::cerr << "moefit: unknown command '" << cmd << "' (see moefit --help)" << std::endl;
-  return kExitBadInput;
+  // export
+  if (args.positional.size() != 2) {
+    std::cerr << "moefit: usage: moefit export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype D]"
+              << std::endl;
+    return kExitBadInput;
+  }
+  ExportCommandOptions options;
+  options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  const std::string dtype = absl::GetFlag(FLAGS_save_dtype);
+  if (dtype == "bfloat16") {
+    options.dtype = at::kBFloat16;
+  } else if (dtype == "float32") {
+    options.dtype = at::kFloat;
+  } else if (!dtype.empty()) {
+    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16" << std::endl;
+    return kExitBadInput;
+  }
+  if (options.max_shard_bytes <= 0) {
+    std::cerr << "moefit: --max_shard_bytes = " << options.max_shard_bytes << " must be positive"
+              << std::endl;
+    return kExitBadInput;
+  }
+  return RunCollective(&argc, &argv, [&](auto world) {
+    return RunExport(args.positional[0], args.positional[1], options, world, std::cout);
+  });
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "framework/data.h"
+#include "framework/hf_io.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/corpus.h"
@@ -34,6 +35,14 @@ absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Comm
   if (!data.ok()) return data.status();
   MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
                           framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
+  if (!run.model_path.empty()) {
+    checkpoint::LoadReport report;
+    MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*model, run.model_path, &report));
+    log << absl::StrFormat("moefit: loaded %s: %d tensors, %.2f GB read by rank 0 in %.1f s",
+                           run.model_path, report.num_tensors_read, report.num_bytes_read / 1e9,
+                           report.seconds)
+        << std::endl;
+  }
   int64_t total = 0, expert = 0;
   for (const framework::Parameter& p : model->parameters()) {
     total += p.tensor.numel();
@@ -74,6 +83,15 @@ absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Comm
                            stats.back().loss, stats.size());
     if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
     log << std::endl;
+  }
+  if (!run.save_dir.empty()) {
+    framework::SaveOptions save;
+    save.max_shard_bytes = static_cast<uint64_t>(run.max_shard_bytes);
+    save.dtype = run.save_dtype;
+    save.base_config_json = run.base_config_json;
+    save.copy_files_from = run.model_path;
+    MOEFIT_RETURN_IF_ERROR(framework::SaveHfDirectory(*model, run.save_dir, groups, save));
+    log << "moefit: saved the model to " << run.save_dir << " (Hugging Face format)" << std::endl;
   }
   return absl::OkStatus();
 }

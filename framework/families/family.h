@@ -16,7 +16,8 @@
 namespace moefit::framework {
 
 struct ModelFamily {
-  std::string name;  // HF model_type
+  std::string name;          // HF model_type
+  std::string architecture;  // HF architectures[0], e.g. Qwen3MoeForCausalLM
   // Sets this family's HF defaults and fixed traits (qk_norm, ...) on a fresh
   // ModelOptions; the fields a config gives are applied on top afterwards.
   void (*set_defaults)(ModelOptions& options);

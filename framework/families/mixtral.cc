@@ -8,7 +8,7 @@
 namespace moefit::framework {
 
 ModelFamily MixtralFamily() {
-  return {"mixtral", [](ModelOptions& o) {
+  return {"mixtral", "MixtralForCausalLM", [](ModelOptions& o) {
             o.qk_norm = false;
             o.attention_bias = false;
             o.rope_theta = 1e6;

@@ -6,7 +6,7 @@
 namespace moefit::framework {
 
 ModelFamily Qwen2MoeFamily() {
-  return {"qwen2_moe", [](ModelOptions& o) {
+  return {"qwen2_moe", "Qwen2MoeForCausalLM", [](ModelOptions& o) {
             o.qk_norm = false;
             o.attention_bias = true;
             o.rope_theta = 10000.0;

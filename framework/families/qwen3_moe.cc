@@ -6,7 +6,7 @@
 namespace moefit::framework {
 
 ModelFamily Qwen3MoeFamily() {
-  return {"qwen3_moe", [](ModelOptions& o) {
+  return {"qwen3_moe", "Qwen3MoeForCausalLM", [](ModelOptions& o) {
             o.qk_norm = true;
             o.attention_bias = false;
             o.rope_theta = 10000.0;

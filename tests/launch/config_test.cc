@@ -91,10 +91,21 @@ TEST(Config, Qwen3MoeConfigJson) {
   absl::StatusOr<RunConfig> r =
       Resolve("", {"model.config_json=" + json, "model.num_hidden_layers=2"});
   ASSERT_TRUE(r.ok()) << r.status();
-  // Demo fields that config_json also has: the config (demo) value wins.
+  // On the demo, config_json replaces the demo's model; --set still wins.
   EXPECT_EQ(r->model.num_hidden_layers, 2);
-  EXPECT_EQ(r->model.hidden_size, 128);
+  EXPECT_EQ(r->model.hidden_size, 64);
+  EXPECT_EQ(r->model.num_experts, 16);
+  EXPECT_EQ(r->model.head_dim, 16);
+  EXPECT_DOUBLE_EQ(r->model.rope_theta, 1e6);
   EXPECT_DOUBLE_EQ(r->model.rms_norm_eps, 1e-6);
+
+  // In a config file, fields given there override the file's.
+  const std::string cfg = WriteTemp("q3.pbtxt", "model { config_json: \"" + json +
+                                                    "\" hidden_size: 128 head_dim: 32 }");
+  r = Resolve(cfg, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model.hidden_size, 128);
+  EXPECT_EQ(r->model.num_hidden_layers, 3);
 }
 
 TEST(Config, FamiliesFromConfigJsonAlone) {

@@ -1,0 +1,683 @@
+// LoadCheckpoint: plan from headers, check, then read and convert on a task graph
+// (see weight_loader.h).
+//
+// Three stages, each complete before the next:
+//   1. Keys: the index (or every shard header) gives every on-disk name; each is
+//      matched to the table once, grouping sources by the target they feed.
+//   2. Plan: for each wanted target, the sources this rank needs are resolved
+//      (opening only the shards that hold them) and the rule runs on meta tensors
+//      of the stored shapes, which yields the target's shape or the reason the
+//      stored shapes do not fit. Every problem goes into the report; any problem
+//      stops the load here, before a byte of tensor data is read.
+//   3. Convert: a tbb::flow function_node with bounded concurrency takes targets
+//      one by one and builds each into its own tensor as soon as its sources
+//      are read. The common rules (merge the experts, then concatenate gate and
+//      up; or a plain rename) place every source directly at its spot in the
+//      target: pread() from the shard when no dtype conversion is needed, else
+//      a converting copy from the read-only mapping. Any other rule runs the
+//      reference ops on mapping views (madvise(WILLNEED) first so the kernel
+//      reads ahead) and copies the result.
+#include "checkpoint/weight_loader.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <tbb/blocked_range.h>
+#include <tbb/flow_graph.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "checkpoint/conversion_ops.h"
+#include "checkpoint/internal/strings.h"
+#include "checkpoint/natural_order.h"
+#include "checkpoint/safetensors_index.h"
+#include "checkpoint/tensor_io.h"
+#include "proto/status_macros.h"
+
+namespace moefit::checkpoint {
+namespace {
+
+using internal::AsAbsl;
+using Kind = ConversionOp::Kind;
+
+constexpr size_t kMaxNamesInSummary = 8;
+// Contiguous copies larger than this are split over threads.
+constexpr size_t kParallelCopyBlockBytes = size_t{16} << 20;
+
+std::string ShapeString(at::IntArrayRef shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+// A shard: its validated mapping, plus a descriptor for pread() of its data.
+struct OpenedFile {
+  SafetensorsFile file;
+  int fd = -1;
+  uint64_t data_offset = 0;  // file offset of the data section
+
+  explicit OpenedFile(SafetensorsFile f) : file(std::move(f)) {}
+  OpenedFile(const OpenedFile&) = delete;
+  OpenedFile& operator=(const OpenedFile&) = delete;
+  ~OpenedFile() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// The shards of a checkpoint directory and the name of every tensor in them.
+// With an index, shards are opened only when one of their tensors is needed.
+class CheckpointDir {
+ public:
+  static absl::StatusOr<CheckpointDir> Scan(const std::filesystem::path& dir) {
+    CheckpointDir out;
+    out.dir_ = dir;
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) {
+      return absl::NotFoundError(absl::StrCat(dir.string(), ": not a directory"));
+    }
+    const std::filesystem::path index_path = dir / std::string(kIndexFileName);
+    if (std::filesystem::exists(index_path, ec)) {
+      MOEFIT_ASSIGN_OR_RETURN(ShardedIndex index, ReadShardedIndex(index_path));
+      std::map<std::string, int> file_idx;
+      for (const auto& [name, file] : index.weight_map) {
+        auto [it, inserted] = file_idx.try_emplace(file, static_cast<int>(out.file_names_.size()));
+        if (inserted) out.file_names_.push_back(file);
+        out.keys_.emplace(name, it->second);
+      }
+      out.files_.resize(out.file_names_.size());
+      return out;
+    }
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+      if (entry.path().extension() == ".safetensors") {
+        out.file_names_.push_back(entry.path().filename().string());
+      }
+    }
+    if (ec) return absl::NotFoundError(absl::StrCat(dir.string(), ": ", ec.message()));
+    if (out.file_names_.empty()) {
+      return absl::NotFoundError(
+          absl::StrCat(dir.string(), ": no ", AsAbsl(kIndexFileName), " and no *.safetensors"));
+    }
+    std::sort(out.file_names_.begin(), out.file_names_.end(), NaturalLessCompare{});
+    out.files_.resize(out.file_names_.size());
+    for (int file_idx = 0; file_idx < static_cast<int>(out.file_names_.size()); ++file_idx) {
+      MOEFIT_ASSIGN_OR_RETURN(const OpenedFile* file, out.Open(file_idx));
+      for (const TensorInfo& info : file->file.tensors()) {
+        auto [it, inserted] = out.keys_.emplace(info.name, file_idx);
+        if (!inserted) {
+          return absl::InvalidArgumentError(
+              absl::StrCat(dir.string(), ": tensor \"", info.name, "\" is in both ",
+                           out.file_names_[it->second], " and ", out.file_names_[file_idx]));
+        }
+      }
+    }
+    return out;
+  }
+
+  // Every on-disk name -> index of its shard, in natural order.
+  const std::map<std::string, int, NaturalLessCompare>& keys() const { return keys_; }
+
+  // The shard holding `name` (opened if needed) and the tensor's header entry.
+  absl::StatusOr<std::pair<const OpenedFile*, const TensorInfo*>> Resolve(const std::string& name) {
+    const auto it = keys_.find(name);
+    if (it == keys_.end()) {
+      return absl::NotFoundError(absl::StrCat(dir_.string(), ": no tensor \"", name, "\""));
+    }
+    MOEFIT_ASSIGN_OR_RETURN(const OpenedFile* file, Open(it->second));
+    const TensorInfo* info = file->file.Find(name);
+    if (info == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat((dir_ / std::string(kIndexFileName)).string(), ": maps tensor \"", name,
+                       "\" to ", file_names_[it->second], ", which does not hold it"));
+    }
+    return std::make_pair(file, info);
+  }
+
+  int num_opened() const {
+    return static_cast<int>(
+        std::count_if(files_.begin(), files_.end(), [](const auto& f) { return f != nullptr; }));
+  }
+
+ private:
+  absl::StatusOr<const OpenedFile*> Open(int file_idx) {
+    std::unique_ptr<OpenedFile>& slot = files_[file_idx];
+    if (!slot) {
+      const std::filesystem::path path = dir_ / file_names_[file_idx];
+      MOEFIT_ASSIGN_OR_RETURN(SafetensorsFile file, SafetensorsFile::Open(path));
+      auto opened = std::make_unique<OpenedFile>(std::move(file));
+      opened->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (opened->fd < 0) {
+        return absl::ErrnoToStatus(errno, absl::StrCat(path.string(), ": cannot open"));
+      }
+      struct stat st {};
+      if (::fstat(opened->fd, &st) != 0) {
+        return absl::ErrnoToStatus(errno, absl::StrCat(path.string(), ": cannot stat"));
+      }
+      // A safetensors file is 8 + header + data bytes, data last.
+      opened->data_offset = static_cast<uint64_t>(st.st_size) - opened->file.data_size();
+      slot = std::move(opened);
+    }
+    return slot.get();
+  }
+
+  std::filesystem::path dir_;
+  std::vector<std::string> file_names_;
+  std::vector<std::unique_ptr<OpenedFile>> files_;
+  std::map<std::string, int, NaturalLessCompare> keys_;
+};
+
+struct SourceRef {
+  const OpenedFile* file = nullptr;
+  const TensorInfo* info = nullptr;
+};
+
+// One runtime tensor and everything needed to produce it.
+struct TargetPlan {
+  const MappingRule* rule = nullptr;
+  std::string name;
+  std::vector<int64_t> numbers;  // the target pattern's `*` values
+  // Per source pattern: expert index -> on-disk name (index 0 for non-merge rules).
+  std::vector<std::map<int64_t, std::string>> keys;
+
+  // Filled by planning.
+  std::vector<std::vector<SourceRef>> inputs;  // [source pattern][local expert]
+  int64_t first_row = 0;                       // packed sources: this rank's rows
+  int64_t num_rows = -1;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+// Copies `src` into `dst` (same shape), converting the dtype if they differ;
+// contiguous same-dtype copies are plain memcpys, split over threads when large.
+void CopyInto(at::Tensor dst, const at::Tensor& src) {
+  if (dst.scalar_type() != src.scalar_type() || !dst.is_contiguous() || !src.is_contiguous()) {
+    dst.copy_(src);
+    return;
+  }
+  const size_t num_bytes = dst.nbytes();
+  auto* out = static_cast<std::byte*>(dst.data_ptr());
+  const auto* in = static_cast<const std::byte*>(src.const_data_ptr());
+  if (num_bytes <= kParallelCopyBlockBytes) {
+    std::memcpy(out, in, num_bytes);
+    return;
+  }
+  const size_t num_blocks = (num_bytes + kParallelCopyBlockBytes - 1) / kParallelCopyBlockBytes;
+  tbb::parallel_for(size_t{0}, num_blocks, [&](size_t block_idx) {
+    const size_t begin = block_idx * kParallelCopyBlockBytes;
+    std::memcpy(out + begin, in + begin, std::min(kParallelCopyBlockBytes, num_bytes - begin));
+  });
+}
+
+// madvise over the whole pages holding `bytes`.
+void Advise(std::span<const std::byte> bytes, int advice) {
+  if (bytes.empty()) return;
+  static const uintptr_t kPage = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(bytes.data()) & ~(kPage - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, advice);
+}
+
+// Asks the kernel to read a tensor's pages ahead of the copy that touches them.
+void Prefetch(std::span<const std::byte> bytes) { Advise(bytes, MADV_WILLNEED); }
+
+// Unmaps a converted source's pages from this process (they stay in the page
+// cache; a later touch refaults them), so the process's resident memory grows
+// by the converted targets, not by the checkpoint's mapped files too.
+void Release(std::span<const std::byte> bytes) { Advise(bytes, MADV_DONTNEED); }
+
+// Rules done as one copy per source: a rename, a merge of experts, or a merge
+// followed by a concatenate of the sources on a non-expert dim.
+bool HasFusedPath(const MappingRule& rule) {
+  const std::vector<ConversionOp>& ops = rule.ops;
+  if (ops.empty()) return true;
+  if (ops[0].kind != Kind::kMergeModulelist || ops[0].dim != 0) return false;
+  if (ops.size() == 1) return true;
+  return ops.size() == 2 && ops[1].kind == Kind::kConcatenate && ops[1].dim >= 1;
+}
+
+class Loader {
+ public:
+  Loader(const std::filesystem::path& dir, const MappingTable& table, const LoadOptions& options,
+         LoadReport& report)
+      : dir_(dir), table_(table), options_(options), report_(report) {}
+
+  absl::StatusOr<std::map<std::string, at::Tensor>> Run() {
+    MOEFIT_ASSIGN_OR_RETURN(files_, CheckpointDir::Scan(dir_));
+    MOEFIT_RETURN_IF_ERROR(MatchKeys());
+    MOEFIT_RETURN_IF_ERROR(SelectTargets());
+    for (TargetPlan* plan : wanted_) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+    report_.num_files_opened = files_->num_opened();
+    SortNames(report_.missing);
+    SortNames(report_.unexpected);
+    SortNames(report_.mismatched);
+    SortNames(report_.ignored);
+    if (!report_.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cannot load ", dir_.string(), " as ", table_.family, ": ", report_.ProblemSummary()));
+    }
+    return Convert();
+  }
+
+ private:
+  static void SortNames(std::vector<std::string>& names) {
+    std::sort(names.begin(), names.end(), NaturalLessCompare{});
+  }
+
+  // Stage 1: every on-disk name to its target (or ignored / unexpected).
+  absl::Status MatchKeys() {
+    for (const auto& [key, file_idx] : files_->keys()) {
+      bool matched = false;
+      for (const MappingRule& rule : table_.rules) {
+        for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
+          std::optional<std::vector<int64_t>> numbers = rule.sources[pattern_idx].Match(key);
+          if (!numbers) continue;
+          int64_t expert_idx = 0;
+          if (rule.merges_experts()) {
+            expert_idx = numbers->back();
+            numbers->pop_back();
+          }
+          const std::string target = rule.target.Fill(*numbers);
+          auto [it, inserted] = targets_.try_emplace(target);
+          TargetPlan& plan = it->second;
+          if (inserted) {
+            plan.rule = &rule;
+            plan.name = target;
+            plan.numbers = *numbers;
+            plan.keys.resize(rule.sources.size());
+          } else if (plan.rule != &rule) {
+            return absl::InvalidArgumentError(
+                absl::StrCat(table_.file, ":", rule.line, ": rule maps \"", key, "\" to \"", target,
+                             "\", which the rule at line ", plan.rule->line, " also produces"));
+          }
+          plan.keys[pattern_idx][expert_idx] = key;
+          report_.num_global_experts =
+              std::max(report_.num_global_experts, rule.merges_experts() ? expert_idx + 1 : 0);
+          matched = true;
+          break;
+        }
+        if (matched) break;
+      }
+      if (matched) continue;
+      const bool ignored =
+          std::any_of(table_.ignore.begin(), table_.ignore.end(),
+                      [&](const KeyPattern& p) { return p.Match(key).has_value(); });
+      (ignored ? report_.ignored : report_.unexpected).push_back(key);
+    }
+    return absl::OkStatus();
+  }
+
+  // What a target the files do not produce at all would have been read from.
+  void ReportMissingTarget(const std::string& name) {
+    for (const MappingRule& rule : table_.rules) {
+      std::optional<std::vector<int64_t>> numbers = rule.target.Match(name);
+      if (!numbers) continue;
+      if (!rule.merges_experts()) {
+        for (const KeyPattern& source : rule.sources)
+          report_.missing.push_back(source.Fill(*numbers));
+        return;
+      }
+      if (options_.num_experts) {
+        for (const KeyPattern& source : rule.sources) {
+          for (int64_t e = 0; e < *options_.num_experts; ++e) {
+            std::vector<int64_t> with_expert = *numbers;
+            with_expert.push_back(options_.first_expert + e);
+            report_.missing.push_back(source.Fill(with_expert));
+          }
+        }
+        return;
+      }
+      break;
+    }
+    report_.missing.push_back(name);
+  }
+
+  // Which targets to produce; expected names the files cannot give are missing,
+  // targets the model does not want are unexpected.
+  absl::Status SelectTargets() {
+    if (options_.expected.empty()) {
+      for (auto& [name, plan] : targets_) wanted_.push_back(&plan);
+      return absl::OkStatus();
+    }
+    for (const auto& [name, expected] : options_.expected) {
+      const auto it = targets_.find(name);
+      if (it == targets_.end()) {
+        ReportMissingTarget(name);
+      } else {
+        wanted_.push_back(&it->second);
+      }
+    }
+    for (const auto& [name, plan] : targets_) {
+      if (options_.expected.contains(name)) continue;
+      for (const auto& experts : plan.keys) {
+        for (const auto& [expert_idx, key] : experts) report_.unexpected.push_back(key);
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  // Stage 2 for one target: its sources on this rank and its shape.
+  absl::Status Plan(TargetPlan& plan) {
+    const MappingRule& rule = *plan.rule;
+    plan.inputs.assign(rule.sources.size(), {});
+    bool complete = true;
+    auto add_input = [&](size_t pattern_idx, const std::string& key) -> absl::Status {
+      MOEFIT_ASSIGN_OR_RETURN(auto resolved, files_->Resolve(key));
+      plan.inputs[pattern_idx].push_back({resolved.first, resolved.second});
+      return absl::OkStatus();
+    };
+    if (rule.merges_experts()) {
+      int64_t num_global = 0;
+      for (const auto& experts : plan.keys) {
+        if (!experts.empty()) num_global = std::max(num_global, experts.rbegin()->first + 1);
+      }
+      const int64_t first = options_.first_expert;
+      const int64_t num = options_.num_experts.value_or(std::max<int64_t>(num_global - first, 0));
+      for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
+        for (int64_t expert_idx = first; expert_idx < first + num; ++expert_idx) {
+          const auto it = plan.keys[pattern_idx].find(expert_idx);
+          if (it == plan.keys[pattern_idx].end()) {
+            std::vector<int64_t> numbers = plan.numbers;
+            numbers.push_back(expert_idx);
+            report_.missing.push_back(rule.sources[pattern_idx].Fill(numbers));
+            complete = false;
+            continue;
+          }
+          MOEFIT_RETURN_IF_ERROR(add_input(pattern_idx, it->second));
+        }
+      }
+    } else {
+      for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
+        const auto it = plan.keys[pattern_idx].find(0);
+        if (it == plan.keys[pattern_idx].end()) {
+          report_.missing.push_back(rule.sources[pattern_idx].Fill(plan.numbers));
+          complete = false;
+          continue;
+        }
+        MOEFIT_RETURN_IF_ERROR(add_input(pattern_idx, it->second));
+      }
+    }
+    if (!complete) return absl::OkStatus();
+
+    // Run the rule on meta tensors: the target's shape, or why it cannot be built.
+    TensorGroups meta(plan.inputs.size());
+    try {
+      for (size_t pattern_idx = 0; pattern_idx < plan.inputs.size(); ++pattern_idx) {
+        for (const SourceRef& ref : plan.inputs[pattern_idx]) {
+          const std::optional<at::ScalarType> type = ToScalarType(ref.info->dtype);
+          if (!type) {
+            report_.mismatched.push_back(absl::StrCat(ref.info->name, ": dtype ",
+                                                      AsAbsl(DtypeName(ref.info->dtype)),
+                                                      " has no torch equivalent"));
+            return absl::OkStatus();
+          }
+          at::Tensor t =
+              at::empty(ref.info->shape, at::TensorOptions().device(at::kMeta).dtype(*type));
+          if (rule.packed_experts) {
+            const int64_t num_stored = t.dim() > 0 ? t.size(0) : 0;
+            plan.first_row = options_.first_expert;
+            plan.num_rows = options_.num_experts.value_or(num_stored - plan.first_row);
+            report_.num_global_experts = std::max(report_.num_global_experts, num_stored);
+            if (plan.first_row < 0 || plan.num_rows < 0 ||
+                plan.first_row + plan.num_rows > num_stored) {
+              report_.mismatched.push_back(absl::StrCat(plan.name, ": ", ref.info->name, " holds ",
+                                                        num_stored, " experts, this rank needs [",
+                                                        plan.first_row, ", ",
+                                                        plan.first_row + plan.num_rows, ")"));
+              return absl::OkStatus();
+            }
+            t = t.narrow(0, plan.first_row, plan.num_rows);
+          }
+          meta[pattern_idx].push_back(t);
+        }
+      }
+    } catch (const c10::Error& e) {
+      report_.mismatched.push_back(absl::StrCat(plan.name, ": ", e.what_without_backtrace()));
+      return absl::OkStatus();
+    }
+    absl::StatusOr<TensorGroups> result = ApplyOps(rule.ops, std::move(meta));
+    if (!result.ok()) {
+      report_.mismatched.push_back(absl::StrCat(plan.name, ": ", result.status().message()));
+      return absl::OkStatus();
+    }
+    const at::Tensor& out = (*result)[0][0];
+    plan.shape.assign(out.sizes().begin(), out.sizes().end());
+    plan.dtype = out.scalar_type();
+    if (const auto it = options_.expected.find(plan.name); it != options_.expected.end()) {
+      if (it->second.shape != plan.shape) {
+        report_.mismatched.push_back(absl::StrCat(plan.name, ": checkpoint gives ",
+                                                  ShapeString(plan.shape), ", model expects ",
+                                                  ShapeString(it->second.shape)));
+      }
+      plan.dtype = it->second.dtype;
+    }
+    return absl::OkStatus();
+  }
+
+  // Stage 3: read and convert every wanted target on a bounded task graph.
+  absl::StatusOr<std::map<std::string, at::Tensor>> Convert() {
+    std::vector<at::Tensor> results(wanted_.size());
+    std::vector<absl::Status> statuses(wanted_.size());
+    const int num_threads =
+        options_.num_threads > 0 ? options_.num_threads : tbb::this_task_arena::max_concurrency();
+    const int max_in_flight =
+        options_.max_targets_in_flight > 0 ? options_.max_targets_in_flight : num_threads;
+    tbb::task_arena arena(num_threads);
+    arena.execute([&] {
+      tbb::flow::graph graph;
+      tbb::flow::function_node<size_t, tbb::flow::continue_msg> convert(
+          graph, static_cast<size_t>(max_in_flight), [&](size_t target_idx) {
+            absl::StatusOr<at::Tensor> out = ConvertOne(*wanted_[target_idx]);
+            if (out.ok()) {
+              results[target_idx] = *std::move(out);
+            } else {
+              statuses[target_idx] = out.status();
+            }
+            return tbb::flow::continue_msg();
+          });
+      for (size_t target_idx = 0; target_idx < wanted_.size(); ++target_idx) {
+        convert.try_put(target_idx);
+      }
+      graph.wait_for_all();
+    });
+    for (const absl::Status& status : statuses) MOEFIT_RETURN_IF_ERROR(status);
+    report_.num_bytes_read = bytes_read_.load();
+    report_.num_tensors_read = tensors_read_.load();
+    std::map<std::string, at::Tensor> out;
+    for (size_t target_idx = 0; target_idx < wanted_.size(); ++target_idx) {
+      out.emplace(wanted_[target_idx]->name, std::move(results[target_idx]));
+    }
+    return out;
+  }
+
+  absl::StatusOr<at::Tensor> ConvertOne(const TargetPlan& plan) {
+    const MappingRule& rule = *plan.rule;
+    // Views cost nothing until touched; they serve the copies that cannot pread.
+    TensorGroups views(plan.inputs.size());
+    for (size_t pattern_idx = 0; pattern_idx < plan.inputs.size(); ++pattern_idx) {
+      for (const SourceRef& ref : plan.inputs[pattern_idx]) {
+        MOEFIT_ASSIGN_OR_RETURN(at::Tensor view, ReadTensor(ref.file->file, *ref.info));
+        if (rule.packed_experts) view = view.narrow(0, plan.first_row, plan.num_rows);
+        views[pattern_idx].push_back(std::move(view));
+        bytes_read_ += SourceBytes(plan, ref).size();
+        ++tensors_read_;
+      }
+    }
+    try {
+      at::Tensor out = at::empty(plan.shape, at::TensorOptions().dtype(plan.dtype));
+      if (!HasFusedPath(rule)) {
+        for (const auto& refs : plan.inputs) {
+          for (const SourceRef& ref : refs) Prefetch(SourceBytes(plan, ref));
+        }
+        MOEFIT_ASSIGN_OR_RETURN(TensorGroups result, ApplyOps(rule.ops, std::move(views)));
+        CopyInto(out, result[0][0]);
+        for (const auto& refs : plan.inputs) {
+          for (const SourceRef& ref : refs) Release(SourceBytes(plan, ref));
+        }
+        return out;
+      }
+      if (rule.ops.empty()) {
+        MOEFIT_RETURN_IF_ERROR(Place(out, views[0][0], plan, plan.inputs[0][0]));
+        return out;
+      }
+      // Merge (then concatenate on dim d): expert e's part p lands in out[e] at
+      // an offset along dim d - 1 of the expert's slice.
+      const int64_t num_experts = static_cast<int64_t>(views[0].size());
+      const int64_t concat_dim = rule.ops.size() == 2 ? rule.ops[1].dim - 1 : -1;
+      std::vector<absl::Status> statuses(num_experts);
+      tbb::parallel_for(int64_t{0}, num_experts, [&](int64_t expert_idx) {
+        at::Tensor slot = out.select(0, expert_idx);
+        int64_t offset = 0;
+        for (size_t pattern_idx = 0; pattern_idx < views.size(); ++pattern_idx) {
+          const at::Tensor& part = views[pattern_idx][expert_idx];
+          at::Tensor dst = slot;
+          if (concat_dim >= 0) {
+            dst = slot.narrow(concat_dim, offset, part.size(concat_dim));
+            offset += part.size(concat_dim);
+          }
+          absl::Status placed = Place(dst, part, plan, plan.inputs[pattern_idx][expert_idx]);
+          if (!placed.ok() && statuses[expert_idx].ok()) statuses[expert_idx] = placed;
+        }
+      });
+      for (const absl::Status& status : statuses) MOEFIT_RETURN_IF_ERROR(status);
+      return out;
+    } catch (const c10::Error& e) {
+      return absl::InvalidArgumentError(absl::StrCat(dir_.string(), ": target \"", plan.name,
+                                                     "\": ", e.what_without_backtrace()));
+    }
+  }
+
+  // Fills `dst` with one source. When its bytes need no conversion and `dst` is
+  // contiguous, pread() puts them straight from the page cache into `dst` (one
+  // copy, no page faults on the mapping); otherwise they are copied (and
+  // converted) from the mapping view, whose pages are dropped from this process
+  // right after, so resident memory grows by the targets, not the files too.
+  absl::Status Place(at::Tensor dst, const at::Tensor& view, const TargetPlan& plan,
+                     const SourceRef& ref) {
+    const std::span<const std::byte> bytes = SourceBytes(plan, ref);
+    if (dst.is_contiguous() && dst.scalar_type() == view.scalar_type() &&
+        dst.nbytes() == bytes.size()) {
+      const std::span<const std::byte> whole = ref.file->file.TensorBytes(*ref.info);
+      const uint64_t offset = ref.file->data_offset + ref.info->begin +
+                              static_cast<uint64_t>(bytes.data() - whole.data());
+      return PreadAll(*ref.file, offset, static_cast<std::byte*>(dst.data_ptr()), bytes.size(),
+                      ref.info->name);
+    }
+    Prefetch(bytes);
+    CopyInto(dst, view);
+    Release(bytes);
+    return absl::OkStatus();
+  }
+
+  // pread() of [offset, offset + num_bytes) into `out`, large ranges in parallel blocks.
+  static absl::Status PreadAll(const OpenedFile& file, uint64_t offset, std::byte* out,
+                               size_t num_bytes, const std::string& tensor_name) {
+    const size_t num_blocks = (num_bytes + kParallelCopyBlockBytes - 1) / kParallelCopyBlockBytes;
+    std::atomic<int> error{0};
+    auto read_block = [&](size_t block_idx) {
+      size_t done = block_idx * kParallelCopyBlockBytes;
+      const size_t end = std::min(num_bytes, done + kParallelCopyBlockBytes);
+      while (done < end) {
+        const ssize_t n =
+            ::pread(file.fd, out + done, end - done, static_cast<off_t>(offset + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+          int expected = 0;
+          error.compare_exchange_strong(expected, n < 0 ? errno : EIO);
+          return;
+        }
+        done += static_cast<size_t>(n);
+      }
+    };
+    if (num_blocks <= 1) {
+      read_block(0);
+    } else {
+      tbb::parallel_for(size_t{0}, num_blocks, read_block);
+    }
+    if (error.load() != 0) {
+      return absl::ErrnoToStatus(error.load(), absl::StrCat(file.file.name(), ": tensor \"",
+                                                            tensor_name, "\": read failed"));
+    }
+    return absl::OkStatus();
+  }
+
+  // The bytes of `ref` this rank reads (its rows only, for a packed source).
+  static std::span<const std::byte> SourceBytes(const TargetPlan& plan, const SourceRef& ref) {
+    std::span<const std::byte> bytes = ref.file->file.TensorBytes(*ref.info);
+    if (!plan.rule->packed_experts || ref.info->shape.empty() || ref.info->shape[0] == 0) {
+      return bytes;
+    }
+    const size_t row_bytes = bytes.size() / static_cast<size_t>(ref.info->shape[0]);
+    return bytes.subspan(static_cast<size_t>(plan.first_row) * row_bytes,
+                         static_cast<size_t>(plan.num_rows) * row_bytes);
+  }
+
+  const std::filesystem::path& dir_;
+  const MappingTable& table_;
+  const LoadOptions& options_;
+  LoadReport& report_;
+
+  std::optional<CheckpointDir> files_;
+  std::map<std::string, TargetPlan, NaturalLessCompare> targets_;
+  std::vector<TargetPlan*> wanted_;
+  std::atomic<uint64_t> bytes_read_{0};
+  std::atomic<int64_t> tensors_read_{0};
+};
+
+void AppendNames(std::string& out, std::string_view kind, const std::vector<std::string>& names) {
+  if (names.empty()) return;
+  if (!out.empty()) out += "; ";
+  std::vector<std::string> shown(names.begin(),
+                                 names.begin() + std::min(names.size(), kMaxNamesInSummary));
+  absl::StrAppend(&out, names.size(), " ", AsAbsl(kind), ": ", absl::StrJoin(shown, ", "));
+  if (names.size() > shown.size())
+    absl::StrAppend(&out, ", ... (", names.size() - shown.size(), " more)");
+}
+
+}  // namespace
+
+std::string LoadReport::ProblemSummary() const {
+  std::string out;
+  AppendNames(out, "missing", missing);
+  AppendNames(out, "unexpected", unexpected);
+  AppendNames(out, "mismatched", mismatched);
+  return out.empty() ? "no problems" : out;
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
+                                                                 std::string_view family,
+                                                                 const LoadOptions& options,
+                                                                 LoadReport* report) {
+  MOEFIT_ASSIGN_OR_RETURN(MappingTable table, MappingTableFor(family));
+  return LoadCheckpoint(dir, table, options, report);
+}
+
+absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
+                                                                 const MappingTable& table,
+                                                                 const LoadOptions& options,
+                                                                 LoadReport* report) {
+  if (options.first_expert < 0 || (options.num_experts && *options.num_experts < 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadCheckpoint(", dir.string(), "): negative expert slice"));
+  }
+  const auto start = std::chrono::steady_clock::now();
+  LoadReport local_report;
+  LoadReport& out_report = report != nullptr ? *report : local_report;
+  out_report = LoadReport();
+  Loader loader(dir, table, options, out_report);
+  absl::StatusOr<std::map<std::string, at::Tensor>> tensors = loader.Run();
+  out_report.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return tensors;
+}
+
+}  // namespace moefit::checkpoint

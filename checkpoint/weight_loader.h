@@ -1,0 +1,101 @@
+// Loading a Hub checkpoint directory into moefit's runtime tensors, lazily and per rank.
+//
+// A rank of an expert-parallel job needs the dense tensors and only its own
+// slice of each layer's experts. LoadCheckpoint therefore plans before it reads:
+// it lists the keys once (from model.safetensors.index.json when present, else
+// from every *.safetensors header in the directory; opening a shard reads only
+// its header), matches them against the family's mapping table, picks for each
+// wanted target the sources it needs (for a packed expert target on this rank,
+// only this rank's experts' per-expert tensors, or only this rank's rows of a
+// packed source), checks every shape by running the rule on meta tensors, and
+// fails with one message naming every missing, unexpected and mis-shaped tensor
+// before touching any data. Only then does it read: each target's sources go
+// straight to their place in the target's own tensor (pread() when no dtype
+// conversion is needed, else a converting copy from the read-only mapping), as
+// soon as they are read, on a oneTBB flow graph that keeps a bounded number of
+// targets in flight (so extra memory is a few targets, not the checkpoint). The
+// report counts the bytes actually read, so tests can check that a rank reads
+// only its own experts.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "checkpoint/mapping_table.h"
+
+namespace moefit::checkpoint {
+
+// What the model expects a runtime tensor to look like.
+struct ExpectedTensor {
+  std::vector<int64_t> shape;
+  // The loaded tensor is converted to this dtype (like transformers' torch_dtype).
+  at::ScalarType dtype = at::kFloat;
+};
+
+struct LoadOptions {
+  // This rank's experts: global indices [first_expert, first_expert + num_experts).
+  // Expert targets get dim 0 of size num_experts, local index = global - first_expert.
+  int64_t first_expert = 0;
+  // nullopt: every expert the checkpoint has (from 0 up to its largest index).
+  std::optional<int64_t> num_experts;
+  // Threads of the task arena that reads and converts; 0: oneTBB's default.
+  int num_threads = 0;
+  // Targets being converted at once, which bounds the extra memory; 0: num_threads.
+  int max_targets_in_flight = 0;
+  // Runtime name -> shape and dtype. Empty: load every target the files give, in
+  // their stored dtype, and report only incomplete targets as missing. Non-empty:
+  // load exactly these; checkpoint tensors that feed nothing here are unexpected.
+  std::map<std::string, ExpectedTensor> expected;
+};
+
+// What LoadCheckpoint found, in the spirit of transformers' loading info. Names
+// are sorted in natural order.
+struct LoadReport {
+  // On-disk tensors a wanted target needs but the files lack (or, when no
+  // source exists at all, the target's runtime name).
+  std::vector<std::string> missing;
+  // On-disk tensors that match no rule and no ignore pattern, or feed a target
+  // the model does not expect.
+  std::vector<std::string> unexpected;
+  // "<runtime name>: checkpoint gives [..], model expects [..]" (or why the
+  // rule could not be applied to the stored shapes).
+  std::vector<std::string> mismatched;
+  // On-disk tensors matched by the table's ignore patterns.
+  std::vector<std::string> ignored;
+
+  int64_t num_files_opened = 0;
+  int64_t num_tensors_read = 0;    // source tensors (or packed slices) read
+  uint64_t num_bytes_read = 0;     // bytes of tensor data read from the files
+  int64_t num_global_experts = 0;  // largest expert index seen + 1 (0 if none)
+  double seconds = 0;
+
+  bool ok() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+  // The problems as one message (at most a few names per kind, then a count).
+  std::string ProblemSummary() const;
+};
+
+// Loads the checkpoint in `dir` with `family`'s compiled-in table (see above).
+// Errors: NotFound for an unknown family or an empty directory; InvalidArgument
+// naming every problem of the report (which is filled in either way when given);
+// I/O and format errors naming the file and tensor.
+absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
+                                                                 std::string_view family,
+                                                                 const LoadOptions& options = {},
+                                                                 LoadReport* report = nullptr);
+
+// Same with an explicit table.
+absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
+                                                                 const MappingTable& table,
+                                                                 const LoadOptions& options = {},
+                                                                 LoadReport* report = nullptr);
+
+}  // namespace moefit::checkpoint

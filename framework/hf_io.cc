@@ -1,0 +1,236 @@
+// Pretrained weights in, HF directories out; see hf_io.h.
+#include "framework/hf_io.h"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "checkpoint/weight_exporter.h"
+#include "framework/families/family.h"
+#include "proto/status_macros.h"
+
+namespace moefit::framework {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string DtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return "float32";
+  }
+}
+
+// Whether any rank of `comm` reports failure (all ranks get the same answer).
+bool AnyFailed(parallel::Communicator& comm, bool failed) {
+  at::Tensor flag = at::full({1}, failed ? 1 : 0, at::kLong);
+  comm.AllReduce(flag, parallel::ReduceOp::kMax)->WaitOrThrow();
+  return flag.item<int64_t>() != 0;
+}
+
+// All ranks' strings, in rank order.
+std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const std::string& mine) {
+  at::Tensor len = at::empty({comm.size()}, at::kLong);
+  comm.AllGather(at::full({1}, static_cast<int64_t>(mine.size()), at::kLong), len)->WaitOrThrow();
+  std::vector<int64_t> lens(len.data_ptr<int64_t>(), len.data_ptr<int64_t>() + comm.size());
+  at::Tensor send = at::empty({static_cast<int64_t>(mine.size())}, at::kByte);
+  std::memcpy(send.data_ptr(), mine.data(), mine.size());
+  at::Tensor recv = at::empty({len.sum().item<int64_t>()}, at::kByte);
+  comm.AllGatherV(send, recv, lens)->WaitOrThrow();
+  std::vector<std::string> out;
+  const char* p = static_cast<const char*>(recv.data_ptr());
+  for (int64_t n : lens) {
+    out.emplace_back(p, static_cast<size_t>(n));
+    p += n;
+  }
+  return out;
+}
+
+absl::Status WriteTextFile(const fs::path& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.flush();
+  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path.string()));
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {
+  const int ep_rank = model.runtime().expert_group->rank();
+  checkpoint::LoadOptions options;
+  options.first_expert = model.placement().first_expert(ep_rank);
+  options.num_experts = model.placement().num_local(ep_rank);
+  options.num_threads = model.runtime().expert_threads;
+  for (const Parameter& p : model.parameters()) {
+    options.expected[p.name] = {p.tensor.sizes().vec(), p.tensor.scalar_type()};
+  }
+  MOEFIT_ASSIGN_OR_RETURN(auto tensors, checkpoint::LoadCheckpoint(dir, model.options().model_type,
+                                                                   options, report));
+  torch::NoGradGuard no_grad;
+  for (const Parameter& p : model.parameters()) {
+    auto it = tensors.find(p.name);
+    if (it == tensors.end()) {
+      return absl::NotFoundError(absl::StrCat(dir, ": no tensor for ", p.name));
+    }
+    p.tensor.copy_(it->second);
+  }
+  return absl::OkStatus();
+}
+
+std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
+                         const std::string& base_config_json) {
+  nlohmann::json j = nlohmann::json::object();
+  if (!base_config_json.empty()) {
+    std::ifstream in(base_config_json);
+    nlohmann::json base = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (base.is_object()) j = base;
+  }
+  const ModelFamily* family = FindModelFamily(o.model_type);
+  j["architectures"] = {family != nullptr ? family->architecture : o.model_type};
+  j["model_type"] = o.model_type;
+  j["vocab_size"] = o.vocab_size;
+  j["hidden_size"] = o.hidden_size;
+  j["num_hidden_layers"] = o.num_hidden_layers;
+  j["num_attention_heads"] = o.num_attention_heads;
+  j["num_key_value_heads"] = o.num_key_value_heads;
+  j["head_dim"] = o.head_dim;
+  j["num_experts_per_tok"] = o.num_experts_per_tok;
+  j["router_aux_loss_coef"] = o.router_aux_loss_coef;
+  j["rms_norm_eps"] = o.rms_norm_eps;
+  j["rope_theta"] = o.rope_theta;
+  j["rope_parameters"] = {{"rope_theta", o.rope_theta}, {"rope_type", "default"}};
+  j["tie_word_embeddings"] = o.tie_word_embeddings;
+  j["max_position_embeddings"] = o.max_position_embeddings;
+  j["initializer_range"] = o.initializer_range;
+  j["hidden_act"] = "silu";
+  j["torch_dtype"] = DtypeName(dtype);
+  if (o.model_type == "mixtral") {
+    j["num_local_experts"] = o.num_experts;
+    j["intermediate_size"] = o.moe_intermediate_size;
+  } else {
+    j["num_experts"] = o.num_experts;
+    j["intermediate_size"] = o.intermediate_size;
+    j["moe_intermediate_size"] = o.moe_intermediate_size;
+    j["norm_topk_prob"] = o.norm_topk_prob;
+    j["mlp_only_layers"] = o.mlp_only_layers;
+    j["decoder_sparse_step"] = o.decoder_sparse_step;
+    j["attention_bias"] = o.attention_bias;
+    if (o.model_type == "qwen2_moe") {
+      j["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
+    }
+  }
+  return j.dump(2) + "\n";
+}
+
+absl::Status SaveHfDirectory(const MoeModel& model, const std::string& dir,
+                             const parallel::ProcessGroups& groups, const SaveOptions& options) {
+  HfTensors in;
+  in.family = model.options().model_type;
+  for (const Parameter& p : model.parameters()) in.tensors[p.name] = p.tensor.detach().to(at::kCPU);
+  in.first_expert = model.placement().first_expert(model.runtime().expert_group->rank());
+  in.num_global_experts = model.options().num_experts;
+  // The first expert-parallel group writes (replicas hold the same experts).
+  in.writes = groups.ep_group_idx == 0;
+  in.config_json_text = HfConfigJson(model.options(), options.dtype.value_or(at::kFloat),
+                                     options.base_config_json);
+  in.copy_files_from = options.copy_files_from;
+  return SaveHfTensors(in, dir, *groups.world, options);
+}
+
+absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
+                           parallel::Communicator& world, const SaveOptions& options) {
+  const bool rank0 = world.rank() == 0;
+  const fs::path dir = fs::path(dir_in).lexically_normal();
+  const fs::path partial = fs::path(dir.string() + ".partial");
+  std::error_code ec;
+  if (rank0) {
+    fs::remove_all(partial, ec);
+    fs::create_directories(partial, ec);
+  }
+  if (AnyFailed(world, rank0 && ec)) {
+    return absl::InternalError(absl::StrCat("cannot create ", partial.string(), ": ", ec.message()));
+  }
+
+  checkpoint::ExportOptions eo;
+  eo.first_expert = in.first_expert;
+  eo.write_dense = rank0;
+  eo.num_global_experts = in.num_global_experts;
+  eo.max_shard_bytes = options.max_shard_bytes;
+  eo.dtype = options.dtype;
+  absl::StatusOr<checkpoint::ExportPlan> plan =
+      in.writes ? checkpoint::PlanExport(in.family, in.tensors, eo)
+                : absl::StatusOr<checkpoint::ExportPlan>(checkpoint::ExportPlan{});
+  if (AnyFailed(world, !plan.ok())) {
+    return plan.ok() ? absl::InternalError("another rank could not plan its shards") : plan.status();
+  }
+
+  // Global shard numbering: ranks' shards in rank order.
+  at::Tensor counts = at::empty({world.size()}, at::kLong);
+  world.AllGather(at::full({1}, static_cast<int64_t>(plan->num_shards()), at::kLong), counts)
+      ->WaitOrThrow();
+  const int first = static_cast<int>(counts.narrow(0, 0, world.rank()).sum().item<int64_t>());
+  const int total = static_cast<int>(counts.sum().item<int64_t>());
+  absl::StatusOr<std::map<std::string, std::string>> fragment = std::map<std::string, std::string>();
+  if (plan->num_shards() > 0) fragment = checkpoint::WriteExportShards(partial, *plan, first, total);
+  if (AnyFailed(world, !fragment.ok())) {
+    return fragment.ok() ? absl::InternalError("another rank could not write its shards")
+                         : fragment.status();
+  }
+
+  nlohmann::json mine = {{"total", plan->total_bytes}, {"map", *fragment}};
+  std::vector<std::string> all = AllGatherStrings(world, mine.dump());
+  absl::Status status = absl::OkStatus();
+  if (rank0) {
+    std::map<std::string, std::string> weight_map;
+    uint64_t total_bytes = 0;
+    for (const std::string& s : all) {
+      nlohmann::json j = nlohmann::json::parse(s);
+      total_bytes += j["total"].get<uint64_t>();
+      for (auto& [k, v] : j["map"].items()) weight_map[k] = v.get<std::string>();
+    }
+    // One shard is model.safetensors on its own, as transformers writes it.
+    if (total > 1) status = checkpoint::WriteIndex(partial, weight_map, total_bytes);
+    if (status.ok()) status = WriteTextFile(partial / "config.json", in.config_json_text);
+    if (status.ok() && !in.copy_files_from.empty()) {
+      // Tokenizer, generation config, ...: everything but weights, index and config.
+      for (const auto& e : fs::directory_iterator(in.copy_files_from, ec)) {
+        const std::string name = e.path().filename().string();
+        if (!e.is_regular_file() || e.path().extension() == ".safetensors" ||
+            name == "model.safetensors.index.json" || name == "config.json") {
+          continue;
+        }
+        fs::copy_file(e.path(), partial / name, fs::copy_options::overwrite_existing, ec);
+        if (ec) {
+          status = absl::InternalError(absl::StrCat("cannot copy ", e.path().string(), ": ", ec.message()));
+          break;
+        }
+      }
+    }
+    // Swap the complete directory into place; an older one is removed last.
+    if (status.ok()) {
+      const fs::path old = fs::path(dir.string() + ".old");
+      fs::remove_all(old, ec);
+      if (fs::exists(dir)) fs::rename(dir, old, ec);
+      if (!ec) fs::rename(partial, dir, ec);
+      if (ec) {
+        status = absl::InternalError(absl::StrCat("cannot move ", partial.string(), " to ",
+                                                  dir.string(), ": ", ec.message()));
+      } else {
+        fs::remove_all(old, ec);
+      }
+    }
+  }
+  if (AnyFailed(world, !status.ok())) {
+    return status.ok() ? absl::InternalError("rank 0 could not finish the directory") : status;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace moefit::framework

@@ -1,0 +1,69 @@
+// The export command; see export_command.h.
+#include "launch/export_command.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "checkpoint/weight_loader.h"
+#include "framework/hf_io.h"
+#include "launch/config.h"
+#include "proto/status_macros.h"
+#include "router/expert_placement.h"
+
+namespace moefit::launch {
+
+absl::Status RunExport(const std::string& src, const std::string& dst,
+                       const ExportCommandOptions& options,
+                       std::shared_ptr<parallel::Communicator> world, std::ostream& log_in) {
+  std::ostringstream discard;
+  std::ostream& log = world->rank() == 0 ? log_in : discard;
+  const std::filesystem::path config_path = std::filesystem::path(src) / "config.json";
+  proto::Config config = DefaultConfig();
+  config.mutable_model()->set_config_json(config_path.string());
+  MOEFIT_RETURN_IF_ERROR(MergeHfConfigJson(config_path.string(), config.mutable_model()));
+  MOEFIT_ASSIGN_OR_RETURN(RunConfig run, ResolveConfig(config));
+  MOEFIT_ASSIGN_OR_RETURN(router::ExpertPlacement placement,
+                          router::ExpertPlacement::Contiguous(run.model.num_experts, world->size()));
+
+  checkpoint::LoadOptions lo;
+  lo.first_expert = placement.first_expert(world->rank());
+  lo.num_experts = placement.num_local(world->rank());
+  checkpoint::LoadReport report;
+  MOEFIT_ASSIGN_OR_RETURN(auto tensors,
+                          checkpoint::LoadCheckpoint(src, run.model.model_type, lo, &report));
+  std::stringstream config_text;
+  config_text << std::ifstream(config_path).rdbuf();
+  std::string config_json = config_text.str();
+  if (options.dtype.has_value()) {
+    nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object()) {
+      j["torch_dtype"] = *options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
+      config_json = j.dump(2) + "\n";
+    }
+  }
+
+  framework::HfTensors in;
+  in.family = run.model.model_type;
+  in.tensors = std::move(tensors);
+  in.first_expert = lo.first_expert;
+  in.num_global_experts = run.model.num_experts;
+  in.config_json_text = config_json;
+  in.copy_files_from = src;
+  framework::SaveOptions save;
+  save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
+  save.dtype = options.dtype;
+  MOEFIT_RETURN_IF_ERROR(framework::SaveHfTensors(in, dst, *world, save));
+  log << absl::StrFormat("moefit: exported %s (%s, %d experts) to %s; rank 0 read %.3f GB",
+                         src, run.model.model_type, run.model.num_experts, dst,
+                         report.num_bytes_read / 1e9)
+      << std::endl;
+  return absl::OkStatus();
+}
+
+}  // namespace moefit::launch

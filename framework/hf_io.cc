@@ -111,21 +111,7 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
   j["initializer_range"] = o.initializer_range;
   j["hidden_act"] = "silu";
   j["torch_dtype"] = DtypeName(dtype);
-  if (o.model_type == "mixtral") {
-    j["num_local_experts"] = o.num_experts;
-    j["intermediate_size"] = o.moe_intermediate_size;
-  } else {
-    j["num_experts"] = o.num_experts;
-    j["intermediate_size"] = o.intermediate_size;
-    j["moe_intermediate_size"] = o.moe_intermediate_size;
-    j["norm_topk_prob"] = o.norm_topk_prob;
-    j["mlp_only_layers"] = o.mlp_only_layers;
-    j["decoder_sparse_step"] = o.decoder_sparse_step;
-    j["attention_bias"] = o.attention_bias;
-    if (o.model_type == "qwen2_moe") {
-      j["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
-    }
-  }
+  if (family != nullptr && family->to_hf_config != nullptr) family->to_hf_config(o, j);
   return j.dump(2) + "\n";
 }
 

@@ -180,15 +180,10 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
       j["rope_parameters"].contains("rope_theta") && !j.contains("rope_theta")) {
     j["rope_theta"] = j["rope_parameters"]["rope_theta"];
   }
-  // Mixtral names the expert count num_local_experts and the expert width
-  // intermediate_size.
-  if (j.value("model_type", "") == "mixtral") {
-    if (j.contains("num_local_experts") && !j.contains("num_experts")) {
-      j["num_experts"] = j["num_local_experts"];
-    }
-    if (j.contains("intermediate_size") && !j.contains("moe_intermediate_size")) {
-      j["moe_intermediate_size"] = j["intermediate_size"];
-    }
+  // Family-specific key names (e.g. mixtral's num_local_experts).
+  if (const framework::ModelFamily* f = framework::FindModelFamily(j.value("model_type", ""));
+      f != nullptr && f->from_hf_config != nullptr) {
+    f->from_hf_config(j);
   }
   proto::ModelConfig from_json;
   const pb::Descriptor* d = proto::ModelConfig::descriptor();

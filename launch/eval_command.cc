@@ -14,7 +14,7 @@
 #include "framework/data.h"
 #include "framework/hf_io.h"
 #include "framework/model.h"
-#include "launch/corpus.h"
+#include "launch/train_command.h"
 #include "parallel/process_groups.h"
 #include "proto/status_macros.h"
 
@@ -61,12 +61,7 @@ absl::Status RunEval(const RunConfig& run_in, const EvalOptions& options,
     return absl::OkStatus();
   }
 
-  absl::StatusOr<framework::TokenDataset> data =
-      run.data.format == "jsonl"
-          ? framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size)
-      : run.data.path.empty()
-          ? framework::TokenDataset::FromText(ShippedCorpus(), run.seq_len, "<shipped corpus>")
-          : framework::TokenDataset::FromTextFile(run.data.path, run.seq_len);
+  absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();
   const int64_t n = std::min(options.num_sequences, data->num_sequences());
   // Every rank runs the same number of batches (the experts need all ranks);

@@ -18,6 +18,16 @@
 
 namespace moefit::launch {
 
+absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run) {
+  if (run.data.format == "jsonl") {
+    return framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size);
+  }
+  if (run.data.path.empty()) {
+    return framework::TokenDataset::FromText(ShippedCorpus(), run.seq_len, "<shipped corpus>");
+  }
+  return framework::TokenDataset::FromTextFile(run.data.path, run.seq_len);
+}
+
 absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Communicator> world,
                          std::ostream& log_in) {
   RunConfig run = run_in;
@@ -26,12 +36,7 @@ absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Comm
   MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups,
                           parallel::MakeProcessGroups(world, {.ep_size = run.ep_size}));
   run.runtime.expert_group = groups.expert_parallel;
-  absl::StatusOr<framework::TokenDataset> data =
-      run.data.format == "jsonl"
-          ? framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size)
-      : run.data.path.empty()
-          ? framework::TokenDataset::FromText(ShippedCorpus(), run.seq_len, "<shipped corpus>")
-          : framework::TokenDataset::FromTextFile(run.data.path, run.seq_len);
+  absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();
   MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
                           framework::MoeModel::Create(run.model, run.runtime, run.train.seed));

@@ -5,10 +5,14 @@
 #include <ostream>
 
 #include "absl/status/status.h"
+#include "framework/data.h"
 #include "launch/config.h"
 #include "parallel/communicator.h"
 
 namespace moefit::launch {
+
+// The config's data: a JSON Lines file, a text file, or the shipped corpus.
+absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run);
 
 // `world` is MPI's world under mpirun, else a one-rank local communicator.
 // Only world rank 0 writes to `log`.

@@ -7,6 +7,8 @@
 // explicitly in registry.cc.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <string>
 #include <string_view>
 #include <vector>
@@ -21,7 +23,16 @@ struct ModelFamily {
   // Sets this family's HF defaults and fixed traits (qk_norm, ...) on a fresh
   // ModelOptions; the fields a config gives are applied on top afterwards.
   void (*set_defaults)(ModelOptions& options);
+  // Renames this family's config.json keys to the shared ones (ModelOptions'
+  // names) in place; keys already present win. nullptr: the names are shared.
+  void (*from_hf_config)(nlohmann::json& config) = nullptr;
+  // Writes the family-specific keys of config.json (the shared ones are
+  // written by framework/hf_io.cc).
+  void (*to_hf_config)(const ModelOptions& options, nlohmann::json& config) = nullptr;
 };
+
+// The shared part of a Qwen-MoE config.json (qwen2_moe and qwen3_moe).
+void QwenMoeToHfConfig(const ModelOptions& options, nlohmann::json& config);
 
 // Every registered family, in registration order.
 const std::vector<ModelFamily>& ModelFamilies();

@@ -1,9 +1,11 @@
 // mixtral (Mixtral-8x7B, 8x22B): every layer sparse, top-k weights always
-// renormalized, no biases, no q/k norm, no shared expert. Its config.json names
-// the expert count num_local_experts and the expert width intermediate_size;
-// launch/ maps those onto num_experts and moe_intermediate_size.
-// Defaults are those of HF MixtralConfig.
+// renormalized, no biases, no q/k norm, no shared expert.
+// Its config.json names the expert count num_local_experts and the expert
+// width intermediate_size (mapped here both ways). Defaults are those of HF
+// MixtralConfig.
 #include "framework/families/mixtral.h"
+
+#include <nlohmann/json.hpp>
 
 namespace moefit::framework {
 
@@ -19,6 +21,18 @@ ModelFamily MixtralFamily() {
             o.tie_word_embeddings = false;
             o.max_position_embeddings = 4096 * 32;
             o.initializer_range = 0.02;
+          },
+          [](nlohmann::json& j) {
+            if (j.contains("num_local_experts") && !j.contains("num_experts")) {
+              j["num_experts"] = j["num_local_experts"];
+            }
+            if (j.contains("intermediate_size") && !j.contains("moe_intermediate_size")) {
+              j["moe_intermediate_size"] = j["intermediate_size"];
+            }
+          },
+          [](const ModelOptions& o, nlohmann::json& j) {
+            j["num_local_experts"] = o.num_experts;
+            j["intermediate_size"] = o.moe_intermediate_size;
           }};
 }
 

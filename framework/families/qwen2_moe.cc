@@ -3,6 +3,8 @@
 // Defaults are those of HF Qwen2MoeConfig.
 #include "framework/families/qwen2_moe.h"
 
+#include <nlohmann/json.hpp>
+
 namespace moefit::framework {
 
 ModelFamily Qwen2MoeFamily() {
@@ -17,6 +19,11 @@ ModelFamily Qwen2MoeFamily() {
             o.tie_word_embeddings = false;
             o.max_position_embeddings = 32768;
             o.initializer_range = 0.02;
+          },
+          /*from_hf_config=*/nullptr,
+          [](const ModelOptions& o, nlohmann::json& j) {
+            QwenMoeToHfConfig(o, j);
+            j["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
           }};
 }
 

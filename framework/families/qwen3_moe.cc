@@ -17,7 +17,8 @@ ModelFamily Qwen3MoeFamily() {
             o.tie_word_embeddings = false;
             o.max_position_embeddings = 32768;
             o.initializer_range = 0.02;
-          }};
+          },
+          /*from_hf_config=*/nullptr, &QwenMoeToHfConfig};
 }
 
 }  // namespace moefit::framework

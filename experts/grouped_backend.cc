@@ -40,7 +40,7 @@ std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t block) {
 // enough that each GEMM runs near peak.
 int64_t TileRows(int64_t num_rows, int num_threads) {
   const int64_t want = (num_rows + 4 * num_threads - 1) / (4 * num_threads);
-  return std::clamp<int64_t>(want, 16, 256);
+  return std::clamp<int64_t>(want, 16, 1024);
 }
 
 // out = a · b written in place into `out` (a view into a larger buffer).
@@ -183,7 +183,7 @@ class GroupedBackend final : public ExpertBackend {
       int64_t expert, expert_row0, num_rows, begin, size;
     };
     std::vector<WeightTile> wtiles;
-    constexpr int64_t kWeightRows = 128;
+    constexpr int64_t kWeightRows = 512;
     int64_t row = 0;
     for (size_t e = 0; e < counts.size(); ++e) {
       const int64_t n = counts[e];

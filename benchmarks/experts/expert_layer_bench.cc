@@ -4,8 +4,9 @@
 // measured in the same run, because the machines are shared and noisy.
 //
 // Shape (defaults near a Qwen3-30B-A3B layer): --tokens=4096 --hidden=2048
-// --inter=768 --experts=32 --top_k=8; the problems are the ones the backend
-// tests check (experts/expert_problem.h).
+// --inter=768 --experts=32 --top_k=8, routing uniform or --pattern=skewed
+// (Zipf-like: a few hot experts); the problems are the ones the backend tests
+// check (experts/expert_problem.h).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 
@@ -72,9 +73,10 @@ class TableReporter : public benchmark::ConsoleReporter {
     }
   }
   void PrintTable() const {
-    std::printf("\nexpert layer fwd+bwd, tokens=%ld hidden=%ld inter=%ld experts=%ld top_k=%ld\n",
+    std::printf("\nexpert layer fwd+bwd, tokens=%ld hidden=%ld inter=%ld experts=%ld top_k=%ld %s\n",
                 (long)g_shape.num_tokens, (long)g_shape.hidden, (long)g_shape.intermediate,
-                (long)g_shape.num_experts, (long)g_shape.top_k);
+                (long)g_shape.num_experts, (long)g_shape.top_k,
+                g_shape.pattern == moefit::experts::RoutingPattern::kSkewed ? "skewed" : "uniform");
     std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs GEMM same dtype");
     for (const auto& [name, rate] : rates_) {
       const bool bf16 = name.find("bf16") != std::string::npos;
@@ -104,6 +106,10 @@ int main(int argc, char** argv) {
       }
       return false;
     };
+    if (std::strcmp(argv[i], "--pattern=skewed") == 0) {
+      g_shape.pattern = moefit::experts::RoutingPattern::kSkewed;
+      continue;
+    }
     if (take("--tokens", &g_shape.num_tokens) || take("--hidden", &g_shape.hidden) ||
         take("--inter", &g_shape.intermediate) || take("--experts", &g_shape.num_experts) ||
         take("--top_k", &g_shape.top_k)) {

@@ -1,8 +1,11 @@
 // The expert-backend interface: how one layer's routed experts are computed.
 //
-// A backend sees only rows already grouped by local expert (rows of expert e
-// are the `counts[e]` rows after those of experts 0..e-1) and the packed
-// weights of DESIGN.md: gate_up_proj [E, 2I, H] (gate rows first, then up) and
+// A backend sees rows in segments, each segment the consecutive rows of one
+// local expert: segment s holds counts[s] rows of expert s % E (E = the
+// weights' expert count; counts.size() is a multiple of E). With E segments
+// this is rows grouped by expert; with W*E it is what an all-to-all delivers
+// (per source rank, grouped by expert), so no regrouping copy is needed. The
+// packed weights follow DESIGN.md: gate_up_proj [E, 2I, H] (gate rows first, then up) and
 // down_proj [E, H, I]. It computes, for each row a of expert e,
 //     y[a] = down_e · (silu(gate_e · x[a]) ⊙ (up_e · x[a]))
 // and, on request, the gradients. Routing weights are NOT applied here: they
@@ -47,7 +50,7 @@ class ExpertBackend {
   // Registry name ("eager", "grouped", ...).
   virtual std::string_view name() const = 0;
 
-  // x: [A, H] with A = sum(counts), same dtype and device as the weights
+  // x: [A, H] with A = sum(counts) in segments (see above), same dtype and device as the weights
   // (float32, bfloat16 or float64; CPU). Returns y [A, H]. `*activations`
   // receives what Backward needs (the [A, 2I] gate/up pre-activations).
   // bfloat16 inputs are multiplied with fp32 accumulation.

@@ -64,8 +64,10 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                      const at::Tensor& down_proj) {
   TORCH_CHECK(x.dim() == 2 && gate_up_proj.dim() == 3 && down_proj.dim() == 3,
               "expert inputs: x [A, H], gate_up_proj [E, 2I, H], down_proj [E, H, I]");
-  TORCH_CHECK(static_cast<int64_t>(counts.size()) == gate_up_proj.size(0),
-              "counts has ", counts.size(), " experts, weights have ", gate_up_proj.size(0));
+  TORCH_CHECK(gate_up_proj.size(0) > 0 &&
+                  static_cast<int64_t>(counts.size()) % gate_up_proj.size(0) == 0,
+              "counts has ", counts.size(), " segments, not a multiple of the weights' ",
+              gate_up_proj.size(0), " experts");
   TORCH_CHECK(std::accumulate(counts.begin(), counts.end(), int64_t{0}) == x.size(0),
               "counts sum to ", std::accumulate(counts.begin(), counts.end(), int64_t{0}),
               " but x has ", x.size(0), " rows");

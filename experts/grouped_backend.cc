@@ -16,22 +16,25 @@
 namespace moefit::experts {
 namespace {
 
-// A block of consecutive rows of one expert (or of one weight-gradient's rows).
+// A block of consecutive rows of one expert.
 struct Tile {
   int64_t expert = 0;
   int64_t begin = 0;
   int64_t size = 0;
 };
 
-// Cuts each expert's rows into blocks of at most `block` rows.
-std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t block) {
+// Cuts each segment (segment s: counts[s] rows of expert s % num_experts)
+// into blocks of at most `block` rows.
+std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t num_experts,
+                           int64_t block) {
   std::vector<Tile> tiles;
   int64_t row = 0;
-  for (size_t e = 0; e < counts.size(); ++e) {
-    for (int64_t r = 0; r < counts[e]; r += block) {
-      tiles.push_back({static_cast<int64_t>(e), row + r, std::min(block, counts[e] - r)});
+  for (size_t s = 0; s < counts.size(); ++s) {
+    const int64_t e = static_cast<int64_t>(s) % num_experts;
+    for (int64_t r = 0; r < counts[s]; r += block) {
+      tiles.push_back({e, row + r, std::min(block, counts[s] - r)});
     }
-    row += counts[e];
+    row += counts[s];
   }
   return tiles;
 }
@@ -134,7 +137,8 @@ class GroupedBackend final : public ExpertBackend {
     at::Tensor gate_up = at::empty({rows, 2 * inter}, x.options());
     at::Tensor h = at::empty({rows, inter}, x.options());
     at::Tensor y = at::empty({rows, w.down_proj.size(1)}, x.options());
-    const std::vector<Tile> tiles = RowTiles(counts, TileRows(rows, num_threads_));
+    const std::vector<Tile> tiles =
+        RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
@@ -163,7 +167,8 @@ class GroupedBackend final : public ExpertBackend {
     g.down_proj = at::zeros_like(w.down_proj);
 
     // Phase 1, per row tile: dh, the fused SwiGLU derivative, dx.
-    const std::vector<Tile> tiles = RowTiles(counts, TileRows(rows, num_threads_));
+    const int64_t num_experts = w.gate_up_proj.size(0);
+    const std::vector<Tile> tiles = RowTiles(counts, num_experts, TileRows(rows, num_threads_));
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       at::Tensor dh_t = dh.narrow(0, tile.begin, tile.size);
@@ -176,37 +181,46 @@ class GroupedBackend final : public ExpertBackend {
       MmInto(g.x.narrow(0, tile.begin, tile.size), dgu_t, w.gate_up_proj[tile.expert]);
     });
 
-    // Phase 2, per (expert, block of weight rows): dW = d_out^T · in over the
-    // expert's rows. Splitting the output rows keeps a hot expert parallel.
+    // Phase 2, per (expert, block of weight rows): dW = d_out^T · in summed
+    // over the expert's segments. Splitting the output rows keeps a hot expert
+    // parallel.
+    std::vector<std::vector<Tile>> segments(num_experts);  // per expert: its row ranges
+    int64_t row = 0;
+    for (size_t s = 0; s < counts.size(); ++s) {
+      if (counts[s] > 0) {
+        const int64_t e = static_cast<int64_t>(s) % num_experts;
+        segments[e].push_back({e, row, counts[s]});
+      }
+      row += counts[s];
+    }
     struct WeightTile {
       bool down;  // down_proj rows (else gate_up_proj rows)
-      int64_t expert, expert_row0, num_rows, begin, size;
+      int64_t expert, begin, size;
     };
     std::vector<WeightTile> wtiles;
     constexpr int64_t kWeightRows = 512;
-    int64_t row = 0;
-    for (size_t e = 0; e < counts.size(); ++e) {
-      const int64_t n = counts[e];
-      if (n > 0) {
-        for (int64_t r = 0; r < hidden; r += kWeightRows)
-          wtiles.push_back({true, int64_t(e), row, n, r, std::min(kWeightRows, hidden - r)});
-        for (int64_t r = 0; r < 2 * inter; r += kWeightRows)
-          wtiles.push_back({false, int64_t(e), row, n, r, std::min(kWeightRows, 2 * inter - r)});
-      }
-      row += n;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      if (segments[e].empty()) continue;
+      for (int64_t r = 0; r < hidden; r += kWeightRows)
+        wtiles.push_back({true, e, r, std::min(kWeightRows, hidden - r)});
+      for (int64_t r = 0; r < 2 * inter; r += kWeightRows)
+        wtiles.push_back({false, e, r, std::min(kWeightRows, 2 * inter - r)});
     }
     RunTiles(wtiles.size(), [&](size_t t) {
       const WeightTile& wt = wtiles[t];
-      if (wt.down) {
-        MmInto(g.down_proj[wt.expert].narrow(0, wt.begin, wt.size),
-                   grad_y.narrow(0, wt.expert_row0, wt.num_rows).narrow(1, wt.begin, wt.size).t(),
-                   h.narrow(0, wt.expert_row0, wt.num_rows));
-      } else {
-        MmInto(g.gate_up_proj[wt.expert].narrow(0, wt.begin, wt.size),
-                   d_gate_up.narrow(0, wt.expert_row0, wt.num_rows)
-                       .narrow(1, wt.begin, wt.size)
-                       .t(),
-                   x.narrow(0, wt.expert_row0, wt.num_rows));
+      const at::Tensor& d_out = wt.down ? grad_y : d_gate_up;
+      const at::Tensor& in = wt.down ? h : x;
+      at::Tensor out = (wt.down ? g.down_proj : g.gate_up_proj)[wt.expert].narrow(0, wt.begin, wt.size);
+      bool first = true;
+      for (const Tile& seg : segments[wt.expert]) {
+        at::Tensor a = d_out.narrow(0, seg.begin, seg.size).narrow(1, wt.begin, wt.size).t();
+        at::Tensor b = in.narrow(0, seg.begin, seg.size);
+        if (first) {
+          MmInto(out, a, b);
+          first = false;
+        } else {
+          out.addmm_(a, b);
+        }
       }
     });
     return g;

@@ -1,7 +1,6 @@
 // The all-to-all dispatcher (RouterParallel remapping); see dispatcher.h.
 #include <ATen/ATen.h>
 
-#include <numeric>
 
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
@@ -11,8 +10,7 @@ namespace moefit::parallel {
 namespace {
 
 struct AllToAllRoute final : Route {
-  at::Tensor inverse_order;  // flat assignment -> sorted position
-  at::Tensor inverse_regroup;  // received position -> expert-major position
+  at::Tensor inverse_order;                   // flat assignment -> sorted position
   std::vector<int64_t> send_rows, recv_rows;  // per peer
 };
 
@@ -50,34 +48,21 @@ class AllToAllDispatcher final : public Dispatcher {
     at::Tensor sorted = x.index_select(0, at::div(order, k, "floor"));
     at::Tensor received = AllToAllRows(*ep_, sorted, route->send_rows, route->recv_rows);
 
-    // Received rows are peer-major (within a peer, expert-major): regroup
-    // them expert-major for the kernels.
-    const int64_t* rc = recv_matrix.data_ptr<int64_t>();
-    std::vector<int64_t> peer_begin(world + 1, 0);
-    for (int q = 0; q < world; ++q) peer_begin[q + 1] = peer_begin[q] + route->recv_rows[q];
-    std::vector<int64_t> regroup;
-    regroup.reserve(peer_begin[world]);
+    // Received rows come per source rank, each rank's grouped by local
+    // expert: exactly the segments the expert backends take (no regrouping).
     DispatchedRows out;
-    out.counts.assign(num_local_, 0);
-    for (int64_t e = 0; e < num_local_; ++e) {
-      for (int q = 0; q < world; ++q) {
-        int64_t begin = peer_begin[q];
-        for (int64_t f = 0; f < e; ++f) begin += rc[q * max_local_ + f];
-        for (int64_t r = 0; r < rc[q * max_local_ + e]; ++r) regroup.push_back(begin + r);
-        out.counts[e] += rc[q * max_local_ + e];
-      }
+    out.rows = received;
+    const int64_t* rc = recv_matrix.data_ptr<int64_t>();
+    for (int q = 0; q < world; ++q) {
+      out.counts.insert(out.counts.end(), rc + q * max_local_, rc + q * max_local_ + num_local_);
     }
-    at::Tensor regroup_t = at::tensor(regroup, at::kLong);
-    route->inverse_regroup = at::argsort(regroup_t);
-    out.rows = received.index_select(0, regroup_t);
     out.route = std::move(route);
     return out;
   }
 
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
     const auto& route = static_cast<const AllToAllRoute&>(r);
-    at::Tensor back = AllToAllRows(*ep_, y.index_select(0, route.inverse_regroup), route.recv_rows,
-                                   route.send_rows);
+    at::Tensor back = AllToAllRows(*ep_, y, route.recv_rows, route.send_rows);
     return back.index_select(0, route.inverse_order);
   }
 

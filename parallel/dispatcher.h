@@ -37,8 +37,11 @@ class Route {
 };
 
 struct DispatchedRows {
-  at::Tensor rows;               // [R, H]: rows for this rank's experts, grouped by local expert
-  std::vector<int64_t> counts;   // [num_local]: rows per local expert
+  at::Tensor rows;  // [R, H]: rows for this rank's experts, in segments
+  // Rows per segment; segment s holds rows of local expert s % num_local (the
+  // layout experts/expert_backend.h takes): num_local segments (grouped by
+  // expert) or, for alltoall, num_local per source rank.
+  std::vector<int64_t> counts;
   std::unique_ptr<Route> route;
 };
 

@@ -38,12 +38,13 @@ Case MakeCase(int rank, int64_t num_experts) {
 
 // "Expert e" multiplies its rows by (e + 1): the result tells which expert a
 // row visited.
-at::Tensor FakeExperts(const DispatchedRows& d, int64_t first_expert) {
+at::Tensor FakeExperts(const DispatchedRows& d, int64_t first_expert, int64_t num_local) {
   std::vector<at::Tensor> parts;
   int64_t row = 0;
-  for (size_t e = 0; e < d.counts.size(); ++e) {
-    parts.push_back(d.rows.narrow(0, row, d.counts[e]) * static_cast<double>(first_expert + e + 1));
-    row += d.counts[e];
+  for (size_t s = 0; s < d.counts.size(); ++s) {
+    const int64_t e = static_cast<int64_t>(s) % num_local;
+    parts.push_back(d.rows.narrow(0, row, d.counts[s]) * static_cast<double>(first_expert + e + 1));
+    row += d.counts[s];
   }
   return parts.empty() ? d.rows * 1.0 : at::cat(parts);
 }
@@ -64,15 +65,18 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   at::Tensor global_counts = at::bincount(c.topk_idx.reshape({-1}), {}, num_experts);
   world->AllReduce(global_counts, ReduceOp::kSum)->WaitOrThrow();
   const int64_t first = placement->first_expert(world->rank());
-  ASSERT_EQ(static_cast<int64_t>(d.counts.size()), placement->num_local(world->rank()));
-  for (size_t e = 0; e < d.counts.size(); ++e) {
-    EXPECT_EQ(d.counts[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
+  const int64_t num_local = placement->num_local(world->rank());
+  ASSERT_EQ(static_cast<int64_t>(d.counts.size()) % num_local, 0);
+  std::vector<int64_t> per_expert(num_local, 0);
+  for (size_t s = 0; s < d.counts.size(); ++s) per_expert[s % num_local] += d.counts[s];
+  for (int64_t e = 0; e < num_local; ++e) {
+    EXPECT_EQ(per_expert[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
   }
   if (world->rank() == 0) {
-    EXPECT_EQ(d.counts[0], 0);  // expert 0 receives nothing
+    EXPECT_EQ(per_expert[0], 0);  // expert 0 receives nothing
   }
 
-  at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first), *d.route);
+  at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first, num_local), *d.route);
   ASSERT_EQ(back.size(0), c.x.size(0) * kTopK);
   at::Tensor expected =
       c.x.repeat_interleave(kTopK, 0) * (c.topk_idx.reshape({-1, 1}).to(at::kDouble) + 1);
@@ -96,7 +100,9 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
     at::Tensor x = c.x.clone().requires_grad_(true);
     DispatchedRows d = (*dispatcher)->Dispatch(x, c.topk_idx);
     // A differentiable stand-in for the experts: rows · W, scaled per expert.
-    at::Tensor y = at::matmul(FakeExperts(d, placement->first_expert(world->rank())), weight);
+    at::Tensor y = at::matmul(FakeExperts(d, placement->first_expert(world->rank()),
+                                          placement->num_local(world->rank())),
+                              weight);
     at::Tensor back = (*dispatcher)->Combine(y, *d.route);
     (back * upstream).sum().backward();
     outs.push_back(back.detach());

@@ -32,8 +32,7 @@ absl::Status RunEval(const RunConfig& run_in, const EvalOptions& options,
   if (!options.save_logits.empty() && options.input_ids.empty()) {
     return absl::InvalidArgumentError("--save_logits needs --input_ids FILE (a safetensors file with \"input_ids\")");
   }
-  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups,
-                          parallel::MakeProcessGroups(world, {.ep_size = run.ep_size}));
+  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups, MakeGroups(run, world));
   run.runtime.expert_group = groups.expert_parallel;
   MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
                           framework::MoeModel::Create(run.model, run.runtime, run.train.seed));

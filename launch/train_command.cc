@@ -18,6 +18,17 @@
 
 namespace moefit::launch {
 
+absl::StatusOr<parallel::ProcessGroups> MakeGroups(const RunConfig& run,
+                                                   std::shared_ptr<parallel::Communicator> world) {
+  absl::StatusOr<parallel::ProcessGroups> groups =
+      parallel::MakeProcessGroups(std::move(world), {.ep_size = run.ep_size});
+  if (!groups.ok()) {
+    return absl::Status(groups.status().code(),
+                        absl::StrCat("parallel.ep_size: ", groups.status().message()));
+  }
+  return groups;
+}
+
 absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run) {
   if (run.data.format == "jsonl") {
     return framework::TokenDataset::FromJsonl(run.data.path, run.seq_len, run.model.vocab_size);
@@ -33,8 +44,7 @@ absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Comm
   RunConfig run = run_in;
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
-  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups,
-                          parallel::MakeProcessGroups(world, {.ep_size = run.ep_size}));
+  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups, MakeGroups(run, world));
   run.runtime.expert_group = groups.expert_parallel;
   absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();

@@ -8,8 +8,13 @@
 #include "framework/data.h"
 #include "launch/config.h"
 #include "parallel/communicator.h"
+#include "parallel/process_groups.h"
 
 namespace moefit::launch {
+
+// The process groups of parallel.ep_size over `world` (errors name the field).
+absl::StatusOr<parallel::ProcessGroups> MakeGroups(const RunConfig& run,
+                                                   std::shared_ptr<parallel::Communicator> world);
 
 // The config's data: a JSON Lines file, a text file, or the shipped corpus.
 absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run);

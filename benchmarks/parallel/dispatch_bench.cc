@@ -2,8 +2,10 @@
 //
 //  1. Dispatch + combine of the alltoall dispatcher against a bare
 //     MPI_Alltoallv moving the same byte counts there and back, in the same
-//     run (throughput ratio; goal >= 0.8). The dispatcher's extra work is the
-//     counts exchange, the sort by (owner, local expert) and the regrouping.
+//     run (throughput ratio; goal >= 0.8), and beside the communicator's own
+//     row all-to-all. The dispatcher's extra work is the counts exchange, the
+//     sort by (owner, local expert), the gather of rows before sending and the
+//     un-sort after combine.
 //  2. One training step of a small MoE model split into dense compute, expert
 //     compute and communication (time blocked in collectives), averaged over
 //     steps after a warm-up.

@@ -4,6 +4,7 @@
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
+#include "router/router_parallel.h"
 
 namespace moefit::parallel {
 namespace {
@@ -17,14 +18,7 @@ struct AllGatherRoute final : Route {
 class AllGatherDispatcher final : public Dispatcher {
  public:
   AllGatherDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
-      : ep_(std::move(ep)) {
-    const int64_t e = placement.num_experts();
-    local_of_expert_ = at::full({e}, -1, at::kLong);
-    for (int64_t i = 0; i < e; ++i) {
-      if (placement.owner(i) == ep_->rank()) local_of_expert_[i] = placement.local_index(i);
-    }
-    num_local_ = placement.num_local(ep_->rank());
-  }
+      : ep_(std::move(ep)), placement_(placement), num_local_(placement.num_local(ep_->rank())) {}
 
   std::string_view name() const override { return "allgather"; }
 
@@ -39,7 +33,7 @@ class AllGatherDispatcher final : public Dispatcher {
     ep_->AllGatherV(topk_idx.contiguous(), idx_all, tokens)->WaitOrThrow();
 
     // Keep the assignments of this rank's experts, grouped by local expert.
-    at::Tensor local = local_of_expert_.index_select(0, idx_all.reshape({-1}));
+    at::Tensor local = router::LocalExpertIndex(idx_all, placement_, ep_->rank()).reshape({-1});
     at::Tensor mine = at::nonzero(local >= 0).reshape({-1});
     at::Tensor mine_local = local.index_select(0, mine);
     at::Tensor order = std::get<1>(at::sort(mine_local, /*stable=*/true, 0, false));
@@ -65,7 +59,7 @@ class AllGatherDispatcher final : public Dispatcher {
 
  private:
   std::shared_ptr<Communicator> ep_;
-  at::Tensor local_of_expert_;  // [E]: local index on this rank, -1 elsewhere
+  router::ExpertPlacement placement_;
   int64_t num_local_ = 0;
 };
 

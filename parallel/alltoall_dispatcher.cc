@@ -5,6 +5,7 @@
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
+#include "router/router_parallel.h"
 
 namespace moefit::parallel {
 namespace {
@@ -17,25 +18,20 @@ struct AllToAllRoute final : Route {
 class AllToAllDispatcher final : public Dispatcher {
  public:
   AllToAllDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
-      : ep_(std::move(ep)), max_local_(placement.max_local()) {
-    const int64_t e = placement.num_experts();
-    key_of_expert_ = at::empty({e}, at::kLong);
-    for (int64_t i = 0; i < e; ++i) {
-      key_of_expert_[i] = placement.owner(i) * max_local_ + placement.local_index(i);
-    }
-    num_local_ = placement.num_local(ep_->rank());
-  }
+      : ep_(std::move(ep)),
+        placement_(placement),
+        max_local_(placement.max_local()),
+        num_local_(placement.num_local(ep_->rank())) {}
 
   std::string_view name() const override { return "alltoall"; }
 
   DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
-    // RouterParallel remap: global id -> owner * max_local + local index; a
-    // stable sort by it groups rows by owner, then by the owner's local expert.
-    at::Tensor key = key_of_expert_.index_select(0, topk_idx.reshape({-1}));
-    at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, 0, false));
-    at::Tensor send_matrix = at::bincount(key, {}, world * max_local_).view({world, max_local_});
+    // RouterParallel remap: rows grouped by owner, then by its local expert.
+    router::OwnerOrder remap = router::SortByOwner(topk_idx, placement_);
+    const at::Tensor& order = remap.order;
+    const at::Tensor& send_matrix = remap.counts;
     at::Tensor recv_matrix = at::empty_like(send_matrix);
     ep_->AllToAllCounts(send_matrix, recv_matrix)->WaitOrThrow();
 
@@ -68,9 +64,9 @@ class AllToAllDispatcher final : public Dispatcher {
 
  private:
   std::shared_ptr<Communicator> ep_;
+  router::ExpertPlacement placement_;
   int64_t max_local_ = 0;
   int64_t num_local_ = 0;
-  at::Tensor key_of_expert_;  // [E]
 };
 
 }  // namespace

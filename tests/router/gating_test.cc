@@ -5,7 +5,6 @@
 #include <cmath>
 
 #include "router/gating.h"
-#include "router/sort_by_expert.h"
 
 namespace moefit::router {
 namespace {
@@ -53,16 +52,6 @@ TEST(LoadBalancingLoss, UniformRoutingGivesOne) {
   r.topk_weight = at::ones({4, 1});
   BalanceStats s = ComputeBalanceStats(r, 4);
   EXPECT_NEAR(LoadBalancingLoss(s.prob_sum, s.expert_count, 4, 4).item<float>(), 1.0f, 1e-6);
-}
-
-TEST(SortByExpert, StableGroupingAndCounts) {
-  at::Tensor idx = at::tensor({2, 0, 0, 1, 2, 2}, at::kLong).view({3, 2});
-  ExpertOrder o = SortByExpert(idx, 4);
-  EXPECT_EQ(o.counts, (std::vector<int64_t>{2, 1, 3, 0}));
-  std::vector<int64_t> order(o.order.data_ptr<int64_t>(), o.order.data_ptr<int64_t>() + 6);
-  EXPECT_EQ(order, (std::vector<int64_t>{1, 2, 3, 0, 4, 5}));
-  std::vector<int64_t> tok(o.token_idx.data_ptr<int64_t>(), o.token_idx.data_ptr<int64_t>() + 6);
-  EXPECT_EQ(tok, (std::vector<int64_t>{0, 1, 1, 0, 2, 2}));
 }
 
 }  // namespace

@@ -1,7 +1,10 @@
 // ExpertPlacement: contiguous blocks, uneven counts, rejection of idle ranks.
 #include <gtest/gtest.h>
 
+#include <ATen/ATen.h>
+
 #include "router/expert_placement.h"
+#include "router/router_parallel.h"
 
 namespace moefit::router {
 namespace {
@@ -39,6 +42,20 @@ TEST(ExpertPlacement, RejectsRanksWithoutExperts) {
   ASSERT_FALSE(p.ok());
   EXPECT_EQ(p.status().message(),
             "parallel.ep_size = 4 exceeds model.num_experts = 2: some ranks would own no expert");
+}
+
+// 5 experts on 2 ranks: rank 0 owns 0-2, rank 1 owns 3-4 (max_local 3).
+TEST(RouterParallel, SortsByOwnerThenLocalExpertStably) {
+  auto p = ExpertPlacement::Contiguous(5, 2);
+  ASSERT_TRUE(p.ok());
+  at::Tensor idx = at::tensor({4, 0, 2, 3, 0, 4}, at::kLong).view({3, 2});
+  OwnerOrder o = SortByOwner(idx, *p);
+  // keys: 4 -> 1*3+1 = 4, 0 -> 0, 2 -> 2, 3 -> 3, 0 -> 0, 4 -> 4
+  std::vector<int64_t> order(o.order.data_ptr<int64_t>(), o.order.data_ptr<int64_t>() + 6);
+  EXPECT_EQ(order, (std::vector<int64_t>{1, 4, 2, 3, 0, 5}));
+  EXPECT_TRUE(at::equal(o.counts, at::tensor({2, 0, 1, 1, 2, 0}, at::kLong).view({2, 3})));
+  at::Tensor local1 = LocalExpertIndex(idx, *p, 1);
+  EXPECT_TRUE(at::equal(local1, at::tensor({1, -1, -1, 0, -1, 1}, at::kLong).view({3, 2})));
 }
 
 }  // namespace

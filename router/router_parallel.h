@@ -1,0 +1,28 @@
+// RouterParallel-style remapping: the router picks global expert ids; expert
+// parallelism needs, for each (token, slot) assignment, the rank that owns the
+// expert and the expert's index on that rank (ExpertPlacement). Dispatchers
+// build on these two views of one remapping.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "router/expert_placement.h"
+
+namespace moefit::router {
+
+struct OwnerOrder {
+  // [N*k] int64: sorted position -> flat assignment (token * k + slot),
+  // stably sorted by (owner rank, local expert index).
+  at::Tensor order;
+  // [ep_size, max_local] int64: assignments per (owner rank, local expert).
+  at::Tensor counts;
+};
+
+// topk_idx: [N, k] int64 global expert ids (CPU).
+OwnerOrder SortByOwner(const at::Tensor& topk_idx, const ExpertPlacement& placement);
+
+// [N, k] int64: each assignment's local expert index on `rank`, -1 where
+// another rank owns the expert.
+at::Tensor LocalExpertIndex(const at::Tensor& topk_idx, const ExpertPlacement& placement, int rank);
+
+}  // namespace moefit::router

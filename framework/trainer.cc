@@ -12,10 +12,10 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "proto/metrics.pb.h"
 #include "experts/expert_function.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
+#include "proto/metrics.pb.h"
 #include "router/gating.h"
 
 namespace moefit::framework {
@@ -79,11 +79,11 @@ struct Trainer::Impl {
       opts->betas({o.optimizer.beta1, o.optimizer.beta2}).eps(o.optimizer.eps).weight_decay(wd);
       return opts;
     };
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(decay, group_options(o.optimizer.weight_decay));
-    groups.emplace_back(no_decay, group_options(0.0));
+    std::vector<torch::optim::OptimizerParamGroup> param_groups;
+    param_groups.emplace_back(decay, group_options(o.optimizer.weight_decay));
+    param_groups.emplace_back(no_decay, group_options(0.0));
     optimizer = std::make_unique<torch::optim::AdamW>(
-        groups, torch::optim::AdamWOptions(o.optimizer.lr));
+        param_groups, torch::optim::AdamWOptions(o.optimizer.lr));
   }
 
   static std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params) {

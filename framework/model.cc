@@ -194,7 +194,6 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, MoeLayerRouting* r
   routing->layer_idx = l.idx;
   routing->prob_sum = stats.prob_sum;
   routing->expert_count = stats.expert_count.to(at::kCPU);
-  routing->num_tokens = stats.num_tokens;
 
   // c. Activations to the host, in the experts' dtype.
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);

@@ -59,7 +59,6 @@ struct MoeLayerRouting {
   int64_t layer_idx = 0;
   at::Tensor prob_sum;      // [E] fp32, differentiable (for the balance loss)
   at::Tensor expert_count;  // [E] fp32 assignments per expert (this rank's tokens), CPU
-  int64_t num_tokens = 0;   // this rank's tokens
 };
 
 struct ForwardResult {

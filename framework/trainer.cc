@@ -92,12 +92,13 @@ struct Trainer::Impl {
     return grads;
   }
 
+  // Sum of squared gradient entries, with one host sync for all parameters.
   static double SquaredNorm(const std::vector<at::Tensor>& params) {
-    double sq = 0;
+    std::vector<at::Tensor> sums;
     for (const at::Tensor& p : params) {
-      if (p.grad().defined()) sq += p.grad().to(at::kDouble).pow(2).sum().item<double>();
+      if (p.grad().defined()) sums.push_back(p.grad().to(at::kDouble).pow(2).sum());
     }
-    return sq;
+    return sums.empty() ? 0.0 : at::stack(sums).sum().item<double>();
   }
 
   // Sums gradients over their groups, then returns the global L2 norm and
@@ -156,6 +157,7 @@ StepStats Trainer::Step(int64_t step) {
   s.optimizer->zero_grad();
   double loss_here = 0, aux_here = 0;
   at::Tensor load;  // [moe layers, E] assignments over the global batch
+  std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
   for (const Batch& batch : micro) {
     ForwardResult out = s.model.Forward(batch.input_ids);
     LossSum ce = CausalLmLossSum(out.logits, batch.labels);
@@ -166,15 +168,13 @@ StepStats Trainer::Step(int64_t step) {
       // each rank adds its share of the probability mass.
       std::vector<at::Tensor> counts;
       at::Tensor prob_sum = out.moe_layers[0].prob_sum;
-      int64_t tokens_here = 0;
       for (size_t l = 0; l < out.moe_layers.size(); ++l) {
         if (l > 0) prob_sum = prob_sum + out.moe_layers[l].prob_sum;
         counts.push_back(out.moe_layers[l].expert_count);
-        tokens_here += out.moe_layers[l].num_tokens;
       }
       at::Tensor layer_counts = SumOver(dp, at::stack(counts).to(at::kDouble));
-      const int64_t tokens =
-          SumOver(dp, at::full({1}, tokens_here, at::kLong)).item<int64_t>();
+      // Every (token, layer) makes num_experts_per_tok assignments.
+      const int64_t tokens = std::llround(layer_counts.sum().item<double>()) / mo.num_experts_per_tok;
       at::Tensor aux = router::LoadBalancingLoss(prob_sum, layer_counts.sum(0).to(at::kFloat),
                                                  tokens, mo.num_experts);
       aux_here += aux.item<double>();
@@ -182,6 +182,9 @@ StepStats Trainer::Step(int64_t step) {
         loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
       }
       load = load.defined() ? load + layer_counts : layer_counts;
+      if (moe_layer_idx.empty()) {
+        for (const MoeLayerRouting& r : out.moe_layers) moe_layer_idx.push_back(r.layer_idx);
+      }
     }
     loss_here += ce.sum.item<double>();
     loss.backward();
@@ -196,12 +199,10 @@ StepStats Trainer::Step(int64_t step) {
   }
   s.optimizer->step();
 
-  int64_t row = 0;
-  for (int64_t l = 0; l < mo.num_hidden_layers && load.defined(); ++l) {
-    if (!mo.IsMoeLayer(l)) continue;
-    at::Tensor c = load[row++].to(at::kLong);
+  for (size_t row = 0; row < moe_layer_idx.size(); ++row) {
+    at::Tensor c = load[row].to(at::kLong);
     LayerLoad ll;
-    ll.layer_idx = l;
+    ll.layer_idx = moe_layer_idx[row];
     ll.tokens_per_expert.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
     const double mean = c.to(at::kDouble).mean().item<double>();
     ll.max_over_mean = mean > 0 ? c.max().item<int64_t>() / mean : 0.0;

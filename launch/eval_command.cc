@@ -20,9 +20,8 @@
 
 namespace moefit::launch {
 
-absl::Status RunEval(const RunConfig& run_in, const EvalOptions& options,
+absl::Status RunEval(const RunConfig& run, const EvalOptions& options,
                      std::shared_ptr<parallel::Communicator> world, std::ostream& log_in) {
-  RunConfig run = run_in;
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
   if (options.num_sequences < 1) {
@@ -32,13 +31,8 @@ absl::Status RunEval(const RunConfig& run_in, const EvalOptions& options,
   if (!options.save_logits.empty() && options.input_ids.empty()) {
     return absl::InvalidArgumentError("--save_logits needs --input_ids FILE (a safetensors file with \"input_ids\")");
   }
-  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups, MakeGroups(run, world));
-  run.runtime.expert_group = groups.expert_parallel;
-  MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
-                          framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
-  if (!run.model_path.empty()) {
-    MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*model, run.model_path));
-  }
+  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
+  std::unique_ptr<framework::MoeModel>& model = built.model;
   torch::NoGradGuard no_grad;
 
   if (!options.save_logits.empty()) {

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <set>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -189,8 +190,9 @@ int RunCollective(int* argc, char*** argv,
   return s.ok() ? kExitOk : Fail(s);
 }
 
-// train and eval: [CONFIG] [--set ...] -> the resolved run config.
-int LoadRun(const Args& args, const char* cmd, absl::StatusOr<RunConfig>* run) {
+// train and eval: [CONFIG] [--set ...] -> the resolved run config, or an
+// exit code when there is nothing to run (bad input, or --print_config done).
+std::variant<RunConfig, int> LoadRun(const Args& args, const char* cmd) {
   if (args.positional.size() > 1) {
     std::cerr << "moefit: " << cmd << " takes at most one CONFIG, got '" << args.positional[1]
               << "'" << std::endl;
@@ -203,12 +205,11 @@ int LoadRun(const Args& args, const char* cmd, absl::StatusOr<RunConfig>* run) {
     std::string text;
     google::protobuf::TextFormat::PrintToString(*config, &text);
     std::cout << text;
-    *run = absl::CancelledError("printed");
     return kExitOk;
   }
-  *run = ResolveConfig(*config);
-  if (!run->ok()) return Fail(run->status());
-  return kExitOk;
+  absl::StatusOr<RunConfig> run = ResolveConfig(*config);
+  if (!run.ok()) return Fail(run.status());
+  return *std::move(run);
 }
 
 int Main(int argc, char** argv) {
@@ -247,14 +248,15 @@ int Main(int argc, char** argv) {
   }
 
   if (cmd == "train" || cmd == "eval") {
-    absl::StatusOr<RunConfig> run = absl::UnknownError("");
-    if (int rc = LoadRun(args, cmd.c_str(), &run); rc != kExitOk || !run.ok()) return rc;
+    std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
+    if (const int* rc = std::get_if<int>(&loaded)) return *rc;
+    const RunConfig& run = std::get<RunConfig>(loaded);
     if (cmd == "train") {
-      return RunCollective(&argc, &argv, [&](auto world) { return RunTraining(*run, world, std::cout); });
+      return RunCollective(&argc, &argv, [&](auto world) { return RunTraining(run, world, std::cout); });
     }
     EvalOptions eval{absl::GetFlag(FLAGS_eval_sequences), absl::GetFlag(FLAGS_save_logits),
                      absl::GetFlag(FLAGS_input_ids)};
-    return RunCollective(&argc, &argv, [&](auto world) { return RunEval(*run, eval, world, std::cout); });
+    return RunCollective(&argc, &argv, [&](auto world) { return RunEval(run, eval, world, std::cout); });
   }
   if (cmd == "inspect") {
     if (args.positional.size() != 1) {

@@ -18,15 +18,30 @@
 
 namespace moefit::launch {
 
-absl::StatusOr<parallel::ProcessGroups> MakeGroups(const RunConfig& run,
-                                                   std::shared_ptr<parallel::Communicator> world) {
+absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
+                                         std::shared_ptr<parallel::Communicator> world,
+                                         std::ostream& log) {
+  RunConfig run = run_in;
+  ParallelModel out;
   absl::StatusOr<parallel::ProcessGroups> groups =
       parallel::MakeProcessGroups(std::move(world), {.ep_size = run.ep_size});
   if (!groups.ok()) {
     return absl::Status(groups.status().code(),
                         absl::StrCat("parallel.ep_size: ", groups.status().message()));
   }
-  return groups;
+  out.groups = std::move(*groups);
+  run.runtime.expert_group = out.groups.expert_parallel;
+  MOEFIT_ASSIGN_OR_RETURN(out.model,
+                          framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
+  if (!run.model_path.empty()) {
+    checkpoint::LoadReport report;
+    MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*out.model, run.model_path, &report));
+    log << absl::StrFormat("moefit: loaded %s: %d tensors, %.2f GB read by rank 0 in %.1f s",
+                           run.model_path, report.num_tensors_read, report.num_bytes_read / 1e9,
+                           report.seconds)
+        << std::endl;
+  }
+  return out;
 }
 
 absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run) {
@@ -39,25 +54,15 @@ absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run) {
   return framework::TokenDataset::FromTextFile(run.data.path, run.seq_len);
 }
 
-absl::Status RunTraining(const RunConfig& run_in, std::shared_ptr<parallel::Communicator> world,
+absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communicator> world,
                          std::ostream& log_in) {
-  RunConfig run = run_in;
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
-  MOEFIT_ASSIGN_OR_RETURN(parallel::ProcessGroups groups, MakeGroups(run, world));
-  run.runtime.expert_group = groups.expert_parallel;
   absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();
-  MOEFIT_ASSIGN_OR_RETURN(std::unique_ptr<framework::MoeModel> model,
-                          framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
-  if (!run.model_path.empty()) {
-    checkpoint::LoadReport report;
-    MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*model, run.model_path, &report));
-    log << absl::StrFormat("moefit: loaded %s: %d tensors, %.2f GB read by rank 0 in %.1f s",
-                           run.model_path, report.num_tensors_read, report.num_bytes_read / 1e9,
-                           report.seconds)
-        << std::endl;
-  }
+  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
+  const parallel::ProcessGroups& groups = built.groups;
+  std::unique_ptr<framework::MoeModel>& model = built.model;
   int64_t total = 0, expert = 0;
   for (const framework::Parameter& p : model->parameters()) {
     total += p.tensor.numel();

@@ -2,19 +2,28 @@
 // from the resolved config and runs the trainer.
 #pragma once
 
+#include <memory>
 #include <ostream>
 
 #include "absl/status/status.h"
 #include "framework/data.h"
+#include "framework/model.h"
 #include "launch/config.h"
 #include "parallel/communicator.h"
 #include "parallel/process_groups.h"
 
 namespace moefit::launch {
 
-// The process groups of parallel.ep_size over `world` (errors name the field).
-absl::StatusOr<parallel::ProcessGroups> MakeGroups(const RunConfig& run,
-                                                   std::shared_ptr<parallel::Communicator> world);
+// The model of a run on `world`: the process groups of parallel.ep_size
+// (errors name the field), the model with this rank's experts, and the
+// weights of model.model_path if given (reported on `log`).
+struct ParallelModel {
+  parallel::ProcessGroups groups;
+  std::unique_ptr<framework::MoeModel> model;
+};
+absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run,
+                                         std::shared_ptr<parallel::Communicator> world,
+                                         std::ostream& log);
 
 // The config's data: a JSON Lines file, a text file, or the shipped corpus.
 absl::StatusOr<framework::TokenDataset> LoadDataset(const RunConfig& run);

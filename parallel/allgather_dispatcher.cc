@@ -18,7 +18,9 @@ struct AllGatherRoute final : Route {
 class AllGatherDispatcher final : public Dispatcher {
  public:
   AllGatherDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
-      : ep_(std::move(ep)), placement_(placement), num_local_(placement.num_local(ep_->rank())) {}
+      : ep_(std::move(ep)),
+        remap_(placement, ep_->rank()),
+        num_local_(placement.num_local(ep_->rank())) {}
 
   std::string_view name() const override { return "allgather"; }
 
@@ -33,7 +35,7 @@ class AllGatherDispatcher final : public Dispatcher {
     ep_->AllGatherV(topk_idx.contiguous(), idx_all, tokens)->WaitOrThrow();
 
     // Keep the assignments of this rank's experts, grouped by local expert.
-    at::Tensor local = router::LocalExpertIndex(idx_all, placement_, ep_->rank()).reshape({-1});
+    at::Tensor local = remap_.LocalExpertIndex(idx_all).reshape({-1});
     at::Tensor mine = at::nonzero(local >= 0).reshape({-1});
     at::Tensor mine_local = local.index_select(0, mine);
     at::Tensor order = std::get<1>(at::sort(mine_local, /*stable=*/true, 0, false));
@@ -59,7 +61,7 @@ class AllGatherDispatcher final : public Dispatcher {
 
  private:
   std::shared_ptr<Communicator> ep_;
-  router::ExpertPlacement placement_;
+  router::RouterParallel remap_;
   int64_t num_local_ = 0;
 };
 

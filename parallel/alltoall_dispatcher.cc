@@ -19,7 +19,7 @@ class AllToAllDispatcher final : public Dispatcher {
  public:
   AllToAllDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
       : ep_(std::move(ep)),
-        placement_(placement),
+        remap_(placement, ep_->rank()),
         max_local_(placement.max_local()),
         num_local_(placement.num_local(ep_->rank())) {}
 
@@ -29,14 +29,15 @@ class AllToAllDispatcher final : public Dispatcher {
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
     // RouterParallel remap: rows grouped by owner, then by its local expert.
-    router::OwnerOrder remap = router::SortByOwner(topk_idx, placement_);
+    router::OwnerOrder remap = remap_.SortByOwner(topk_idx);
     const at::Tensor& order = remap.order;
     const at::Tensor& send_matrix = remap.counts;
     at::Tensor recv_matrix = at::empty_like(send_matrix);
     ep_->AllToAllCounts(send_matrix, recv_matrix)->WaitOrThrow();
 
     auto route = std::make_unique<AllToAllRoute>();
-    route->inverse_order = at::argsort(order);
+    // The inverse permutation, by scatter (linear) rather than a second sort.
+    route->inverse_order = at::empty_like(order).index_put_({order}, at::arange(order.numel(), order.options()));
     at::Tensor send_rows = send_matrix.sum(1), recv_rows = recv_matrix.sum(1);
     route->send_rows.assign(send_rows.data_ptr<int64_t>(), send_rows.data_ptr<int64_t>() + world);
     route->recv_rows.assign(recv_rows.data_ptr<int64_t>(), recv_rows.data_ptr<int64_t>() + world);
@@ -64,7 +65,7 @@ class AllToAllDispatcher final : public Dispatcher {
 
  private:
   std::shared_ptr<Communicator> ep_;
-  router::ExpertPlacement placement_;
+  router::RouterParallel remap_;
   int64_t max_local_ = 0;
   int64_t num_local_ = 0;
 };

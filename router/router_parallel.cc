@@ -6,35 +6,30 @@
 #include <vector>
 
 namespace moefit::router {
-namespace {
 
-// Per global expert: owner * max_local + local index (the sort key).
-at::Tensor OwnerKeys(const ExpertPlacement& p) {
-  std::vector<int64_t> keys(p.num_experts());
-  for (int64_t e = 0; e < p.num_experts(); ++e) keys[e] = p.owner(e) * p.max_local() + p.local_index(e);
-  return at::tensor(keys, at::kLong);
+RouterParallel::RouterParallel(const ExpertPlacement& p, int rank)
+    : ep_size_(p.ep_size()), max_local_(p.max_local()) {
+  std::vector<int64_t> key(p.num_experts()), local(p.num_experts(), -1);
+  for (int64_t e = 0; e < p.num_experts(); ++e) {
+    key[e] = p.owner(e) * max_local_ + p.local_index(e);
+    if (p.owner(e) == rank) local[e] = p.local_index(e);
+  }
+  owner_key_ = at::tensor(key, at::kLong);
+  local_index_ = at::tensor(local, at::kLong);
 }
 
-}  // namespace
-
-OwnerOrder SortByOwner(const at::Tensor& topk_idx, const ExpertPlacement& placement) {
+OwnerOrder RouterParallel::SortByOwner(const at::Tensor& topk_idx) const {
   TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong,
               "topk_idx must be [tokens, k] int64");
-  const int64_t max_local = placement.max_local();
-  at::Tensor key = OwnerKeys(placement).index_select(0, topk_idx.reshape({-1}));
+  at::Tensor key = owner_key_.index_select(0, topk_idx.reshape({-1}));
   OwnerOrder out;
   out.order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  out.counts = at::bincount(key, /*weights=*/{}, placement.ep_size() * max_local)
-                   .view({placement.ep_size(), max_local});
+  out.counts = at::bincount(key, /*weights=*/{}, ep_size_ * max_local_).view({ep_size_, max_local_});
   return out;
 }
 
-at::Tensor LocalExpertIndex(const at::Tensor& topk_idx, const ExpertPlacement& placement, int rank) {
-  std::vector<int64_t> local(placement.num_experts(), -1);
-  for (int64_t e = 0; e < placement.num_experts(); ++e) {
-    if (placement.owner(e) == rank) local[e] = placement.local_index(e);
-  }
-  return at::tensor(local, at::kLong).index_select(0, topk_idx.reshape({-1})).view(topk_idx.sizes());
+at::Tensor RouterParallel::LocalExpertIndex(const at::Tensor& topk_idx) const {
+  return local_index_.index_select(0, topk_idx.reshape({-1})).view(topk_idx.sizes());
 }
 
 }  // namespace moefit::router

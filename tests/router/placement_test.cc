@@ -49,12 +49,14 @@ TEST(RouterParallel, SortsByOwnerThenLocalExpertStably) {
   auto p = ExpertPlacement::Contiguous(5, 2);
   ASSERT_TRUE(p.ok());
   at::Tensor idx = at::tensor({4, 0, 2, 3, 0, 4}, at::kLong).view({3, 2});
-  OwnerOrder o = SortByOwner(idx, *p);
+  RouterParallel rank0(*p, 0), rank1(*p, 1);
+  OwnerOrder o = rank0.SortByOwner(idx);
   // keys: 4 -> 1*3+1 = 4, 0 -> 0, 2 -> 2, 3 -> 3, 0 -> 0, 4 -> 4
   std::vector<int64_t> order(o.order.data_ptr<int64_t>(), o.order.data_ptr<int64_t>() + 6);
   EXPECT_EQ(order, (std::vector<int64_t>{1, 4, 2, 3, 0, 5}));
   EXPECT_TRUE(at::equal(o.counts, at::tensor({2, 0, 1, 1, 2, 0}, at::kLong).view({2, 3})));
-  at::Tensor local1 = LocalExpertIndex(idx, *p, 1);
+  EXPECT_TRUE(at::equal(rank1.SortByOwner(idx).order, o.order));  // the same on every rank
+  at::Tensor local1 = rank1.LocalExpertIndex(idx);
   EXPECT_TRUE(at::equal(local1, at::tensor({1, -1, -1, 0, -1, 1}, at::kLong).view({3, 2})));
 }
 

@@ -109,7 +109,7 @@ struct MappingTable {
 absl::StatusOr<MappingTable> ParseMappingTable(std::string_view text, std::string_view file);
 
 // The compiled-in table of `family` ("qwen3_moe", "qwen2_moe", "mixtral",
-// "gpt_oss"). NotFound lists the known families.
+// "gpt_oss", "deepseek_v3", "glm4_moe"). NotFound lists the known families.
 absl::StatusOr<MappingTable> MappingTableFor(std::string_view family);
 
 // Families with a compiled-in table, in registry order.

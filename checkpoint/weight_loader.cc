@@ -4,6 +4,8 @@
 // Three stages, each complete before the next:
 //   1. Keys: the index (or every shard header) gives every on-disk name; each is
 //      matched to the table once, grouping sources by the target they feed.
+//      Keys of skipped layers (MTP) drop out here, by name; `X_scale_inv` keys
+//      are attached to their weight `X` instead of being matched.
 //   2. Plan: for each wanted target, the sources this rank needs are resolved
 //      (opening only the shards that hold them) and the rule runs on meta tensors
 //      of the stored shapes, which yields the target's shape or the reason the
@@ -16,7 +18,9 @@
 //      target: pread() from the shard when no dtype conversion is needed, else
 //      a converting copy from the read-only mapping. Any other rule runs the
 //      reference ops on mapping views (madvise(WILLNEED) first so the kernel
-//      reads ahead) and copies the result.
+//      reads ahead) and copies the result. A block-scaled FP8 source is widened
+//      from its mapping straight into its spot (DequantizeBlockFp8Into); for the
+//      other rules it is widened to an fp32 copy of that one source first.
 #include "checkpoint/weight_loader.h"
 
 #include <ATen/ops/empty.h>
@@ -38,9 +42,11 @@
 #include <memory>
 #include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/conversion_ops.h"
+#include "checkpoint/fp8.h"
 #include "checkpoint/internal/strings.h"
 #include "checkpoint/natural_order.h"
 #include "checkpoint/safetensors_index.h"
@@ -179,6 +185,11 @@ class CheckpointDir {
 struct SourceRef {
   const OpenedFile* file = nullptr;
   const TensorInfo* info = nullptr;
+  // A block-scaled FP8 source's `_scale_inv` companion (its shard may differ).
+  const OpenedFile* scale_file = nullptr;
+  const TensorInfo* scale_info = nullptr;
+
+  bool is_fp8() const { return scale_info != nullptr; }
 };
 
 // One runtime tensor and everything needed to produce it.
@@ -261,6 +272,7 @@ class Loader {
     SortNames(report_.unexpected);
     SortNames(report_.mismatched);
     SortNames(report_.ignored);
+    SortNames(report_.skipped);
     if (!report_.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot load ", dir_.string(), " as ", table_.family, ": ", report_.ProblemSummary()));
@@ -275,7 +287,22 @@ class Loader {
 
   // Stage 1: every on-disk name to its target (or ignored / unexpected).
   absl::Status MatchKeys() {
-    for (const auto& [key, file_idx] : files_->keys()) {
+    const auto& keys = files_->keys();
+    for (const auto& [key, file_idx] : keys) {
+      if (IsSkippedLayer(key)) {
+        report_.skipped.push_back(key);
+        continue;
+      }
+      if (absl::EndsWith(key, AsAbsl(kScaleInvSuffix))) {
+        const std::string weight = key.substr(0, key.size() - kScaleInvSuffix.size());
+        // A companion goes wherever its weight goes; a scale of nothing feeds nothing.
+        if (keys.contains(weight)) {
+          scales_.emplace(weight, key);
+        } else {
+          report_.unexpected.push_back(key);
+        }
+        continue;
+      }
       bool matched = false;
       for (const MappingRule& rule : table_.rules) {
         for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
@@ -312,8 +339,25 @@ class Loader {
           std::any_of(table_.ignore.begin(), table_.ignore.end(),
                       [&](const KeyPattern& p) { return p.Match(key).has_value(); });
       (ignored ? report_.ignored : report_.unexpected).push_back(key);
+      const std::string scale = absl::StrCat(key, AsAbsl(kScaleInvSuffix));
+      if (ignored && keys.contains(scale)) report_.ignored.push_back(scale);
     }
     return absl::OkStatus();
+  }
+
+  // `model.layers.N.<anything>` with N >= options_.skip_layers_from.
+  bool IsSkippedLayer(std::string_view key) const {
+    constexpr std::string_view kPrefix = "model.layers.";
+    if (!options_.skip_layers_from || !key.starts_with(kPrefix)) return false;
+    const size_t dot = key.find('.', kPrefix.size());
+    if (dot == std::string_view::npos || dot == kPrefix.size()) return false;
+    int64_t layer_idx = 0;
+    for (const char c : key.substr(kPrefix.size(), dot - kPrefix.size())) {
+      if (c < '0' || c > '9') return false;
+      // Absurdly long numbers saturate rather than overflow.
+      layer_idx = std::min<int64_t>(layer_idx * 10 + (c - '0'), int64_t{1} << 40);
+    }
+    return layer_idx >= *options_.skip_layers_from;
   }
 
   // What a target the files do not produce at all would have been read from.
@@ -372,7 +416,13 @@ class Loader {
     bool complete = true;
     auto add_input = [&](size_t pattern_idx, const std::string& key) -> absl::Status {
       MOEFIT_ASSIGN_OR_RETURN(auto resolved, files_->Resolve(key));
-      plan.inputs[pattern_idx].push_back({resolved.first, resolved.second});
+      SourceRef ref{.file = resolved.first, .info = resolved.second};
+      if (const auto it = scales_.find(key); it != scales_.end()) {
+        MOEFIT_ASSIGN_OR_RETURN(auto scale, files_->Resolve(it->second));
+        ref.scale_file = scale.first;
+        ref.scale_info = scale.second;
+      }
+      plan.inputs[pattern_idx].push_back(ref);
       return absl::OkStatus();
     };
     if (rule.merges_experts()) {
@@ -406,6 +456,9 @@ class Loader {
         MOEFIT_RETURN_IF_ERROR(add_input(pattern_idx, it->second));
       }
     }
+    for (const auto& refs : plan.inputs) {
+      for (const SourceRef& ref : refs) complete &= CheckFp8(plan, ref);
+    }
     if (!complete) return absl::OkStatus();
 
     // Run the rule on meta tensors: the target's shape, or why it cannot be built.
@@ -420,8 +473,11 @@ class Loader {
                                                       " has no torch equivalent"));
             return absl::OkStatus();
           }
-          at::Tensor t =
-              at::empty(ref.info->shape, at::TensorOptions().device(at::kMeta).dtype(*type));
+          // An FP8 source is planned as what it becomes: dequantized_dtype
+          // unless the model names a dtype (which replaces the plan's below).
+          at::Tensor t = at::empty(ref.info->shape,
+                                   at::TensorOptions().device(at::kMeta).dtype(
+                                       ref.is_fp8() ? options_.dequantized_dtype : *type));
           if (rule.packed_experts) {
             const int64_t num_stored = t.dim() > 0 ? t.size(0) : 0;
             plan.first_row = options_.first_expert;
@@ -461,6 +517,45 @@ class Loader {
       plan.dtype = it->second.dtype;
     }
     return absl::OkStatus();
+  }
+
+  // An FP8 source needs its scale, of the block grid's shape; a scale needs an
+  // FP8 weight. Problems go to the report; false when there is one.
+  bool CheckFp8(const TargetPlan& plan, const SourceRef& ref) {
+    const TensorInfo& info = *ref.info;
+    if (!IsFp8Dtype(info.dtype)) {
+      if (!ref.is_fp8()) return true;
+      report_.mismatched.push_back(absl::StrCat(ref.scale_info->name, ": scales ", info.name,
+                                                ", which is ", AsAbsl(DtypeName(info.dtype)),
+                                                ", not FP8"));
+      return false;
+    }
+    if (!ref.is_fp8()) {
+      report_.missing.push_back(absl::StrCat(info.name, AsAbsl(kScaleInvSuffix)));
+      return false;
+    }
+    const TensorInfo& scale = *ref.scale_info;
+    if (plan.rule->packed_experts || info.shape.size() != 2) {
+      report_.mismatched.push_back(absl::StrCat(
+          info.name, ": block-scaled FP8 is read for 2-D weights only, this one is ",
+          ShapeString(info.shape), plan.rule->packed_experts ? " (packed experts)" : ""));
+      return false;
+    }
+    if (!IsScaleDtype(scale.dtype)) {
+      report_.mismatched.push_back(absl::StrCat(scale.name, ": dtype ",
+                                                AsAbsl(DtypeName(scale.dtype)),
+                                                ", a scale must be F32, BF16, F16 or F8_E8M0"));
+      return false;
+    }
+    const std::vector<int64_t> want = BlockScaleShape(info.shape, options_.fp8_block);
+    if (scale.shape != want) {
+      report_.mismatched.push_back(
+          absl::StrCat(scale.name, ": checkpoint gives ", ShapeString(scale.shape), ", FP8 weight ",
+                       info.name, " ", ShapeString(info.shape), " in blocks of ",
+                       ShapeString(options_.fp8_block), " needs ", ShapeString(want)));
+      return false;
+    }
+    return true;
   }
 
   // Stage 3: read and convert every wanted target on a bounded task graph.
@@ -510,6 +605,10 @@ class Loader {
         views[pattern_idx].push_back(std::move(view));
         bytes_read_ += SourceBytes(plan, ref).size();
         ++tensors_read_;
+        if (ref.is_fp8()) {
+          bytes_read_ += ref.scale_info->num_bytes();
+          ++tensors_read_;
+        }
       }
     }
     try {
@@ -517,6 +616,16 @@ class Loader {
       if (!HasFusedPath(rule)) {
         for (const auto& refs : plan.inputs) {
           for (const SourceRef& ref : refs) Prefetch(SourceBytes(plan, ref));
+        }
+        // The ops work on values: FP8 sources are widened first, one at a time.
+        for (size_t pattern_idx = 0; pattern_idx < views.size(); ++pattern_idx) {
+          for (size_t idx = 0; idx < views[pattern_idx].size(); ++idx) {
+            const SourceRef& ref = plan.inputs[pattern_idx][idx];
+            if (!ref.is_fp8()) continue;
+            at::Tensor wide = at::empty(ref.info->shape, at::TensorOptions().dtype(at::kFloat));
+            MOEFIT_RETURN_IF_ERROR(Dequantize(wide, views[pattern_idx][idx], ref));
+            views[pattern_idx][idx] = std::move(wide);
+          }
         }
         MOEFIT_ASSIGN_OR_RETURN(TensorGroups result, ApplyOps(rule.ops, std::move(views)));
         CopyInto(out, result[0][0]);
@@ -563,6 +672,7 @@ class Loader {
   // right after, so resident memory grows by the targets, not the files too.
   absl::Status Place(at::Tensor dst, const at::Tensor& view, const TargetPlan& plan,
                      const SourceRef& ref) {
+    if (ref.is_fp8()) return Dequantize(dst, view, ref);
     const std::span<const std::byte> bytes = SourceBytes(plan, ref);
     if (dst.is_contiguous() && dst.scalar_type() == view.scalar_type() &&
         dst.nbytes() == bytes.size()) {
@@ -575,6 +685,23 @@ class Loader {
     Prefetch(bytes);
     CopyInto(dst, view);
     Release(bytes);
+    return absl::OkStatus();
+  }
+
+  // Widens the FP8 source `view` (a view of the mapping) into `dst` with the
+  // source's scales, block by block; its pages are dropped from this process
+  // after, as in Place.
+  absl::Status Dequantize(at::Tensor dst, const at::Tensor& view, const SourceRef& ref) {
+    MOEFIT_ASSIGN_OR_RETURN(at::Tensor scale, ReadTensor(ref.scale_file->file, *ref.scale_info));
+    const std::span<const std::byte> bytes = ref.file->file.TensorBytes(*ref.info);
+    Prefetch(bytes);
+    const absl::Status done = DequantizeBlockFp8Into(dst, view, scale, options_.fp8_block);
+    Release(bytes);
+    if (!done.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
+                                                     ref.info->name, "\" with ",
+                                                     ref.scale_info->name, ": ", done.message()));
+    }
     return absl::OkStatus();
   }
 
@@ -628,6 +755,8 @@ class Loader {
 
   std::optional<CheckpointDir> files_;
   std::map<std::string, TargetPlan, NaturalLessCompare> targets_;
+  // FP8 weight key -> its `_scale_inv` key.
+  std::map<std::string, std::string> scales_;
   std::vector<TargetPlan*> wanted_;
   std::atomic<uint64_t> bytes_read_{0};
   std::atomic<int64_t> tensors_read_{0};
@@ -668,6 +797,11 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::file
   if (options.first_expert < 0 || (options.num_experts && *options.num_experts < 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("LoadCheckpoint(", dir.string(), "): negative expert slice"));
+  }
+  if (options.fp8_block[0] <= 0 || options.fp8_block[1] <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("LoadCheckpoint(", dir.string(),
+                                                   "): FP8 block size must be positive, got ",
+                                                   ShapeString(options.fp8_block)));
   }
   const auto start = std::chrono::steady_clock::now();
   LoadReport local_report;

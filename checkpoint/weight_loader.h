@@ -16,11 +16,25 @@
 // targets in flight (so extra memory is a few targets, not the checkpoint). The
 // report counts the bytes actually read, so tests can check that a rank reads
 // only its own experts.
+//
+// Two things published checkpoints carry beyond the table's tensors:
+//   - Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2; see fp8.h): an FP8 source
+//     `X` is planned together with its companion `X_scale_inv`, which is never a
+//     tensor of its own (no rule, never unexpected), and both are read only where
+//     the source is, so a rank reads only its own experts' FP8 bytes and scales.
+//     The weight is widened block by block straight into its place in the target
+//     (the target's dtype; BF16 when the caller names no dtype), never through
+//     an upcast copy of the file. An FP8 source without its scale is missing
+//     (the scale's name); a scale of the wrong shape is mismatched.
+//   - Multi-token-prediction modules stored as one more decoder layer
+//     (DeepSeek-V3's model.layers.61, GLM-4.5's model.layers.92): with
+//     skip_layers_from set, such keys are skipped by name before matching.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/ScalarType.h>
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -30,6 +44,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "checkpoint/fp8.h"
 #include "checkpoint/mapping_table.h"
 
 namespace moefit::checkpoint {
@@ -52,9 +67,21 @@ struct LoadOptions {
   // Targets being converted at once, which bounds the extra memory; 0: num_threads.
   int max_targets_in_flight = 0;
   // Runtime name -> shape and dtype. Empty: load every target the files give, in
-  // their stored dtype, and report only incomplete targets as missing. Non-empty:
+  // their stored dtype (dequantized_dtype for FP8 sources), and report
+  // only incomplete targets as missing. Non-empty:
   // load exactly these; checkpoint tensors that feed nothing here are unexpected.
   std::map<std::string, ExpectedTensor> expected;
+  // Block [rows, columns] of block-scaled FP8 sources (config.json's
+  // quantization_config.weight_block_size): every FP8 source `X` [out, in] needs
+  // `X_scale_inv` [ceil(out / fp8_block[0]), ceil(in / fp8_block[1])].
+  std::array<int64_t, 2> fp8_block = kDefaultFp8Block;
+  // Dtype of targets built from FP8 sources when `expected` names none.
+  at::ScalarType dequantized_dtype = at::kBFloat16;
+  // When set, on-disk keys `model.layers.N.<anything>` with N >= this are
+  // skipped by name: never matched, never read, listed in LoadReport::skipped.
+  // The caller sets it to num_hidden_layers when config.json has
+  // num_nextn_predict_layers > 0, whose modules follow the decoder layers.
+  std::optional<int64_t> skip_layers_from;
 };
 
 // What LoadCheckpoint found, in the spirit of transformers' loading info. Names
@@ -69,11 +96,14 @@ struct LoadReport {
   // "<runtime name>: checkpoint gives [..], model expects [..]" (or why the
   // rule could not be applied to the stored shapes).
   std::vector<std::string> mismatched;
-  // On-disk tensors matched by the table's ignore patterns.
+  // On-disk tensors matched by the table's ignore patterns (with their
+  // `_scale_inv` companions).
   std::vector<std::string> ignored;
+  // On-disk tensors of layers at or past LoadOptions::skip_layers_from, unread.
+  std::vector<std::string> skipped;
 
   int64_t num_files_opened = 0;
-  int64_t num_tensors_read = 0;    // source tensors (or packed slices) read
+  int64_t num_tensors_read = 0;    // source tensors (or packed slices) and FP8 scales read
   uint64_t num_bytes_read = 0;     // bytes of tensor data read from the files
   int64_t num_global_experts = 0;  // largest expert index seen + 1 (0 if none)
   double seconds = 0;
@@ -85,7 +115,8 @@ struct LoadReport {
 
 // Loads the checkpoint in `dir` with `family`'s compiled-in table (see above).
 // Errors: NotFound for an unknown family or an empty directory; InvalidArgument
-// naming every problem of the report (which is filled in either way when given);
+// for a negative expert slice or a non-positive fp8_block, and naming every
+// problem of the report (which is filled in either way when given);
 // I/O and format errors naming the file and tensor.
 absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
                                                                  std::string_view family,

@@ -6,10 +6,12 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <regex>
 #include <set>
 #include <sstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -53,8 +55,24 @@ std::string Bytes(double n) {
   return absl::StrFormat("%.0f bytes", n);
 }
 
+// Routed experts only: `mlp.shared_experts.*` (deepseek_v3, glm4_moe) and
+// `mlp.shared_expert.*` (qwen2_moe) do not match, as they run for every token.
 bool IsExpertTensor(const std::string& name) {
   return name.find(".experts.") != std::string::npos;
+}
+
+// Tensors stored with the weights that transformers does not count as
+// parameters: FP8 block scales (consumed by dequantization) and buffers.
+bool IsScaleTensor(const std::string& name) { return absl::EndsWith(name, "_scale_inv"); }
+bool IsBufferTensor(const std::string& name) {
+  return absl::EndsWith(name, ".e_score_correction_bias") ||
+         absl::EndsWith(name, ".rotary_emb.inv_freq");
+}
+
+int64_t IntOr(const nlohmann::json& config, const char* key, int64_t fallback) {
+  return config.is_object() && config.contains(key) && config[key].is_number_integer()
+             ? config[key].get<int64_t>()
+             : fallback;
 }
 
 }  // namespace
@@ -87,12 +105,24 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
     return absl::NotFoundError(absl::StrCat("inspect: no such file or directory '", path, "'"));
   }
 
+  // Multi-token-prediction modules (DeepSeek-V3's model.layers.61, GLM-4.5's
+  // model.layers.92) follow the decoder layers; transformers builds no module
+  // for them, so they are no parameters of the model.
+  const int64_t num_hidden_layers = IntOr(config, "num_hidden_layers", -1);
+  const int64_t num_mtp_layers =
+      IntOr(config, "num_nextn_predict_layers", IntOr(config, "num_mtp_layers", 0));
+  const std::optional<int64_t> mtp_from = num_hidden_layers >= 0 && num_mtp_layers > 0
+                                              ? std::optional(num_hidden_layers)
+                                              : std::nullopt;
+
   std::map<std::string, Group> groups;
   std::vector<std::string> order;
   std::map<std::string, int64_t> numel_by_dtype;
   int64_t total = 0, expert_total = 0, num_tensors = 0;
+  int64_t mtp_total = 0, scale_total = 0, num_scales = 0, buffer_total = 0, num_buffers = 0;
   uint64_t total_bytes = 0;
-  std::set<int64_t> moe_layers, layers;
+  std::set<int64_t> moe_layers, layers, mtp_layers;
+  std::set<std::string> buffer_kinds;  // last name component, for the message
   static const std::regex kLayer("layers\\.([0-9]+)\\.");
   for (const fs::path& f : files) {
     MOEFIT_ASSIGN_OR_RETURN(checkpoint::SafetensorsFile file, checkpoint::SafetensorsFile::Open(f));
@@ -105,14 +135,32 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
       g.bytes += t.num_bytes();
       g.dtypes.insert(std::string(checkpoint::DtypeName(t.dtype)));
       g.shapes.insert(ShapeString(t.shape));
-      numel_by_dtype[std::string(checkpoint::DtypeName(t.dtype))] += t.numel;
-      total += t.numel;
       total_bytes += t.num_bytes();
       ++num_tensors;
       std::smatch m;
-      if (std::regex_search(t.name, m, kLayer)) {
-        layers.insert(std::stoll(m[1]));
-        if (IsExpertTensor(t.name)) moe_layers.insert(std::stoll(m[1]));
+      const bool in_layer = std::regex_search(t.name, m, kLayer);
+      const int64_t layer_idx = in_layer ? std::stoll(m[1]) : -1;
+      if (in_layer && mtp_from && layer_idx >= *mtp_from) {
+        mtp_layers.insert(layer_idx);
+        if (!IsScaleTensor(t.name) && !IsBufferTensor(t.name)) mtp_total += t.numel;
+        continue;
+      }
+      if (IsScaleTensor(t.name)) {
+        scale_total += t.numel;
+        ++num_scales;
+        continue;
+      }
+      if (IsBufferTensor(t.name)) {
+        buffer_total += t.numel;
+        ++num_buffers;
+        buffer_kinds.insert(t.name.substr(t.name.rfind('.') + 1));
+        continue;
+      }
+      numel_by_dtype[std::string(checkpoint::DtypeName(t.dtype))] += t.numel;
+      total += t.numel;
+      if (in_layer) {
+        layers.insert(layer_idx);
+        if (IsExpertTensor(t.name)) moe_layers.insert(layer_idx);
       }
       if (IsExpertTensor(t.name)) expert_total += t.numel;
     }
@@ -146,6 +194,23 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
         << ", of which " << top_k << "/" << num_experts << " active)";
   }
   out << "\n";
+  if (num_scales > 0 || num_buffers > 0) {
+    std::vector<std::string> parts;
+    if (num_scales > 0) {
+      parts.push_back(absl::StrCat(Count(static_cast<double>(scale_total)), " in ", num_scales,
+                                   " FP8 block scales (*_scale_inv)"));
+    }
+    if (num_buffers > 0) {
+      parts.push_back(absl::StrCat(Count(static_cast<double>(buffer_total)), " in ", num_buffers,
+                                   " buffers (", absl::StrJoin(buffer_kinds, ", "), ")"));
+    }
+    out << "not parameters: " << absl::StrJoin(parts, "; ") << "\n";
+  }
+  if (!mtp_layers.empty()) {
+    out << absl::StrFormat(
+        "MTP layers: [%s] (num_nextn_predict_layers %d), %s parameters, not counted above\n",
+        absl::StrJoin(mtp_layers, ", "), num_mtp_layers, Count(static_cast<double>(mtp_total)));
+  }
   if (!layers.empty()) {
     std::vector<int64_t> dense;
     for (int64_t l : layers) {

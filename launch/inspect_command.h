@@ -6,6 +6,15 @@
 // model prints a screenful, not 18,000 lines), dtypes, shapes, bytes, total
 // and active parameter counts, and the MoE layout read from the keys and
 // config.json.
+//
+// The parameter counts are what transformers' model.parameters() gives for the
+// model: FP8 weights count by element, their `*_scale_inv` block scales and
+// buffers stored with the weights (the router's e_score_correction_bias, old
+// checkpoints' rotary inv_freq) do not count, nor do the multi-token-prediction
+// layers stored after the decoder layers (index >= num_hidden_layers when
+// config.json has num_nextn_predict_layers > 0), which get a line of their own.
+// Active per token: everything but the routed experts, plus top-k / E of them;
+// shared experts are always active.
 #pragma once
 
 #include <ostream>

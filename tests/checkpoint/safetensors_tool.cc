@@ -1,11 +1,22 @@
-// Command-line bridge between moefit's safetensors code and the Python
-// `safetensors` package, for tests/interop/test_safetensors.py.
+// Command-line bridge between moefit's checkpoint code and the Python
+// `safetensors` / `transformers` packages, for the pytests in tests/interop/.
 //
 //   safetensors_tool dump FILE    prints the file as JSON: metadata, and for each
 //                                 tensor in file order its name, dtype, shape,
 //                                 FNV-1a 64 of its raw bytes, and its values
 //   safetensors_tool write FILE   writes a fixed set of tensors (see WriteFixed;
 //                                 the pytest rebuilds the same tensors in Python)
+//   safetensors_tool load DIR FAMILY OUT [--dtype float32|bfloat16]
+//       [--first-expert N --num-experts M] [--fp8-block B0,B1] [--skip-layers-from N]
+//                                 LoadCheckpoint of DIR with FAMILY's table; writes
+//                                 the runtime tensors to the file OUT and prints
+//                                 the LoadReport as JSON (test_fp8.py). With
+//                                 --dtype every floating target is asked for in
+//                                 that dtype (a first, dtype-less load gives
+//                                 the shapes).
+//   safetensors_tool export SRC FAMILY DST
+//                                 LoadCheckpoint, then SaveCheckpoint to the
+//                                 directory DST (test_export_families.py)
 //
 // Values are printed as numbers after conversion through tensor_io (to double,
 // or raw for 64-bit integers, so nothing is rounded); non-finite floats as the
@@ -14,17 +25,22 @@
 // error on stderr when the file cannot be read or written.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <map>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "checkpoint/safetensors.h"
 #include "checkpoint/tensor_io.h"
+#include "checkpoint/weight_exporter.h"
+#include "checkpoint/weight_loader.h"
 #include "nlohmann/json.hpp"
 
 namespace moefit::checkpoint {
@@ -158,12 +174,100 @@ int Write(const std::string& path) {
   return 0;
 }
 
+Json ReportJson(const LoadReport& report) {
+  return Json{{"missing", report.missing},
+              {"unexpected", report.unexpected},
+              {"mismatched", report.mismatched},
+              {"ignored", report.ignored},
+              {"skipped", report.skipped},
+              {"num_files_opened", report.num_files_opened},
+              {"num_tensors_read", report.num_tensors_read},
+              {"num_bytes_read", report.num_bytes_read}};
+}
+
+// `load DIR FAMILY OUT [flags]`; returns the exit status.
+int Load(const std::vector<std::string>& args) {
+  if (args.size() % 2 == 0) {
+    std::cerr << "load: flag without a value\n";
+    return 2;
+  }
+  LoadOptions options;
+  std::optional<at::ScalarType> dtype;
+  for (size_t i = 3; i + 1 < args.size(); i += 2) {
+    const std::string& flag = args[i];
+    const std::string& value = args[i + 1];
+    if (flag == "--dtype" && (value == "float32" || value == "bfloat16")) {
+      dtype = value == "float32" ? at::kFloat : at::kBFloat16;
+    } else if (flag == "--first-expert") {
+      options.first_expert = std::stoll(value);
+    } else if (flag == "--num-experts") {
+      options.num_experts = std::stoll(value);
+    } else if (flag == "--skip-layers-from") {
+      options.skip_layers_from = std::stoll(value);
+    } else if (flag == "--fp8-block" && value.find(',') != std::string::npos) {
+      options.fp8_block = {std::stoll(value.substr(0, value.find(','))),
+                           std::stoll(value.substr(value.find(',') + 1))};
+    } else {
+      std::cerr << "load: bad flag " << flag << " " << value << "\n";
+      return 2;
+    }
+  }
+  if (dtype) {
+    LoadOptions shapes_only = options;
+    absl::StatusOr<std::map<std::string, at::Tensor>> first =
+        LoadCheckpoint(args[0], args[1], shapes_only);
+    if (!first.ok()) {
+      std::cerr << first.status() << "\n";
+      return 1;
+    }
+    for (const auto& [name, t] : *first) {
+      options.expected[name] = {std::vector<int64_t>(t.sizes().begin(), t.sizes().end()),
+                                at::isFloatingType(t.scalar_type()) ? *dtype : t.scalar_type()};
+    }
+  }
+  LoadReport report;
+  absl::StatusOr<std::map<std::string, at::Tensor>> tensors =
+      LoadCheckpoint(args[0], args[1], options, &report);
+  std::cout << ReportJson(report).dump(1) << "\n";
+  if (!tensors.ok()) {
+    std::cerr << tensors.status() << "\n";
+    return 1;
+  }
+  const absl::Status saved = SaveTensors(
+      args[2], std::vector<std::pair<std::string, at::Tensor>>(tensors->begin(), tensors->end()));
+  if (!saved.ok()) {
+    std::cerr << saved << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+// `export SRC FAMILY DST`.
+int Export(const std::vector<std::string>& args) {
+  absl::StatusOr<std::map<std::string, at::Tensor>> tensors = LoadCheckpoint(args[0], args[1]);
+  if (!tensors.ok()) {
+    std::cerr << tensors.status() << "\n";
+    return 1;
+  }
+  const absl::Status saved = SaveCheckpoint(args[2], args[1], *tensors);
+  if (!saved.ok()) {
+    std::cerr << saved << "\n";
+    return 1;
+  }
+  return 0;
+}
+
 }  // namespace
 }  // namespace moefit::checkpoint
 
 int main(int argc, char** argv) {
-  if (argc == 3 && std::string(argv[1]) == "dump") return moefit::checkpoint::Dump(argv[2]);
-  if (argc == 3 && std::string(argv[1]) == "write") return moefit::checkpoint::Write(argv[2]);
-  std::cerr << "usage: " << argv[0] << " dump FILE | write FILE\n";
+  const std::string command = argc > 1 ? argv[1] : "";
+  const std::vector<std::string> args(argv + std::min(argc, 2), argv + argc);
+  if (command == "dump" && args.size() == 1) return moefit::checkpoint::Dump(args[0]);
+  if (command == "write" && args.size() == 1) return moefit::checkpoint::Write(args[0]);
+  if (command == "load" && args.size() >= 3) return moefit::checkpoint::Load(args);
+  if (command == "export" && args.size() == 3) return moefit::checkpoint::Export(args);
+  std::cerr << "usage: " << argv[0]
+            << " dump FILE | write FILE | load DIR FAMILY OUT [flags] | export SRC FAMILY DST\n";
   return 2;
 }

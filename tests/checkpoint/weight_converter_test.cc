@@ -82,13 +82,31 @@ NamedTensors HubTensors(const std::string& family, int64_t num_experts) {
     const std::string l = Layer(layer_idx);
     t.emplace_back(l + "input_layernorm.weight", Random({kHidden}, at::kFloat));
     t.emplace_back(l + "post_attention_layernorm.weight", Random({kHidden}, at::kFloat));
-    for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
-      t.emplace_back(l + "self_attn." + proj + ".weight", Random({kHidden, kHidden}));
-      if (family == "qwen2_moe" && std::string(proj) != "o_proj") {
-        t.emplace_back(l + "self_attn." + proj + ".bias", Random({kHidden}));
+    if (family == "deepseek_v3") {
+      // Multi-head latent attention (q_lora_rank 4, kv_lora_rank 4, rope dim 2).
+      t.emplace_back(l + "self_attn.q_a_proj.weight", Random({4, kHidden}));
+      t.emplace_back(l + "self_attn.q_a_layernorm.weight", Random({4}));
+      t.emplace_back(l + "self_attn.q_b_proj.weight", Random({kHidden, 4}));
+      t.emplace_back(l + "self_attn.kv_a_proj_with_mqa.weight", Random({6, kHidden}));
+      t.emplace_back(l + "self_attn.kv_a_layernorm.weight", Random({4}));
+      t.emplace_back(l + "self_attn.kv_b_proj.weight", Random({kHidden, 4}));
+      t.emplace_back(l + "self_attn.o_proj.weight", Random({kHidden, kHidden}));
+    } else {
+      for (const char* proj : {"q_proj", "k_proj", "v_proj", "o_proj"}) {
+        t.emplace_back(l + "self_attn." + proj + ".weight", Random({kHidden, kHidden}));
+        if ((family == "qwen2_moe" || family == "glm4_moe") && std::string(proj) != "o_proj") {
+          t.emplace_back(l + "self_attn." + proj + ".bias", Random({kHidden}));
+        }
       }
     }
-    if (family == "qwen3_moe") {
+    if (family == "deepseek_v3" || family == "glm4_moe") {
+      for (const char* proj : {"gate_proj", "up_proj"}) {
+        t.emplace_back(l + "mlp.shared_experts." + proj + ".weight", Random({kInter, kHidden}));
+      }
+      t.emplace_back(l + "mlp.shared_experts.down_proj.weight", Random({kHidden, kInter}));
+      t.emplace_back(l + "mlp.gate.e_score_correction_bias", Random({num_experts}, at::kFloat));
+    }
+    if (family == "qwen3_moe" || family == "glm4_moe") {
       t.emplace_back(l + "self_attn.q_norm.weight", Random({kHidden / 2}));
       t.emplace_back(l + "self_attn.k_norm.weight", Random({kHidden / 2}));
     }
@@ -239,7 +257,8 @@ TEST_P(FamilyTest, PackedEqualsHandStackedReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, FamilyTest,
-                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral"));
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3",
+                                           "glm4_moe"));
 
 // The model's view of a full load, with `num` experts per expert tensor.
 std::map<std::string, ExpectedTensor> ExpectedFor(const TensorMap& full, int64_t num) {

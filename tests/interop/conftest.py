@@ -11,3 +11,13 @@ def build_dir() -> pathlib.Path:
     if not d:
         pytest.skip("MOEFIT_BUILD_DIR is not set (run through launch/scripts/test.sh)")
     return pathlib.Path(d)
+
+
+@pytest.fixture(scope="session")
+def tool(build_dir) -> pathlib.Path:
+    """The safetensors_tool test binary (tests/checkpoint): dump, load and export
+    through moefit's checkpoint library."""
+    path = build_dir / "tests" / "checkpoint" / "safetensors_tool"
+    if not path.is_file():
+        pytest.fail(f"{path} not found: build the safetensors_tool target first")
+    return path

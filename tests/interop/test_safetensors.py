@@ -32,15 +32,6 @@ import torch
 from safetensors import safe_open
 
 
-@pytest.fixture(scope="module")
-def tool(build_dir):
-    """The safetensors_tool binary; build_dir (conftest.py) skips without MOEFIT_BUILD_DIR."""
-    path = build_dir / "tests" / "checkpoint" / "safetensors_tool"
-    if not path.is_file():
-        pytest.fail(f"{path} not found: build the safetensors_tool target first")
-    return path
-
-
 def run_tool(tool, *args, check=True):
     result = subprocess.run([str(tool), *map(str, args)], capture_output=True, text=True)
     if check and result.returncode != 0:

@@ -68,13 +68,19 @@ absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint:
   options.first_expert = model.placement().first_expert(ep_rank);
   options.num_experts = model.placement().num_local(ep_rank);
   options.num_threads = model.runtime().expert_threads;
-  for (const Parameter& p : model.parameters()) {
+  const ModelOptions& o = model.options();
+  if (o.fp8_weight_block) options.fp8_block = *o.fp8_weight_block;
+  // Multi-token-prediction layers follow the decoder layers (DeepSeek-V3's
+  // model.layers.61, GLM-4.5's model.layers.92): skipped by name.
+  if (o.num_nextn_predict_layers > 0) options.skip_layers_from = o.num_hidden_layers;
+  const std::vector<Parameter> tensors_wanted = model.named_tensors();
+  for (const Parameter& p : tensors_wanted) {
     options.expected[p.name] = {p.tensor.sizes().vec(), p.tensor.scalar_type()};
   }
   MOEFIT_ASSIGN_OR_RETURN(auto tensors, checkpoint::LoadCheckpoint(dir, model.options().model_type,
                                                                    options, report));
   torch::NoGradGuard no_grad;
-  for (const Parameter& p : model.parameters()) {
+  for (const Parameter& p : tensors_wanted) {
     auto it = tensors.find(p.name);
     if (it == tensors.end()) {
       return absl::NotFoundError(absl::StrCat(dir, ": no tensor for ", p.name));
@@ -92,9 +98,15 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
     nlohmann::json base = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
     if (base.is_object()) j = base;
   }
+  // Loaded as written: the weights are dequantized, and the rotary settings
+  // are restated below in the current form.
+  for (const char* stale : {"quantization_config", "rope_scaling", "rope_parameters", "rope_theta",
+                            "partial_rotary_factor", "torch_dtype", "dtype"}) {
+    j.erase(stale);
+  }
   const ModelFamily* family = FindModelFamily(o.model_type);
   j["architectures"] = {family != nullptr ? family->architecture : o.model_type};
-  j["model_type"] = o.model_type;
+  j["model_type"] = o.hf_model_type.empty() ? o.model_type : o.hf_model_type;
   j["vocab_size"] = o.vocab_size;
   j["hidden_size"] = o.hidden_size;
   j["num_hidden_layers"] = o.num_hidden_layers;
@@ -105,7 +117,22 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
   j["router_aux_loss_coef"] = o.router_aux_loss_coef;
   j["rms_norm_eps"] = o.rms_norm_eps;
   j["rope_theta"] = o.rope_theta;
-  j["rope_parameters"] = {{"rope_theta", o.rope_theta}, {"rope_type", "default"}};
+  nlohmann::json rope = {{"rope_theta", o.rope_theta}, {"rope_type", o.rope_scaling.type}};
+  if (o.rope_scaling.type == "yarn") {
+    const RopeScaling& r = o.rope_scaling;
+    rope["factor"] = r.factor;
+    rope["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    rope["beta_fast"] = r.beta_fast;
+    rope["beta_slow"] = r.beta_slow;
+    if (r.mscale != 0) rope["mscale"] = r.mscale;
+    if (r.mscale_all_dim != 0) rope["mscale_all_dim"] = r.mscale_all_dim;
+    if (r.attention_factor) rope["attention_factor"] = *r.attention_factor;
+    if (!r.truncate) rope["truncate"] = false;
+  }
+  if (o.attention == AttentionKind::kGqa && o.partial_rotary_factor != 1.0) {
+    rope["partial_rotary_factor"] = o.partial_rotary_factor;
+  }
+  j["rope_parameters"] = rope;
   j["tie_word_embeddings"] = o.tie_word_embeddings;
   j["max_position_embeddings"] = o.max_position_embeddings;
   j["initializer_range"] = o.initializer_range;
@@ -119,7 +146,9 @@ absl::Status SaveHfDirectory(const MoeModel& model, const std::string& dir,
                              const parallel::ProcessGroups& groups, const SaveOptions& options) {
   HfTensors in;
   in.family = model.options().model_type;
-  for (const Parameter& p : model.parameters()) in.tensors[p.name] = p.tensor.detach().to(at::kCPU);
+  for (const Parameter& p : model.named_tensors()) {
+    in.tensors[p.name] = p.tensor.detach().to(at::kCPU);
+  }
   in.first_expert = model.placement().first_expert(model.runtime().expert_group->rank());
   in.num_global_experts = model.options().num_experts;
   // The first expert-parallel group writes (replicas hold the same experts).

@@ -1,5 +1,6 @@
 // The shared MoE decoder; see model.h. Numerics follow HF transformers
-// (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM) op for op.
+// (Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, MixtralForCausalLM,
+// DeepseekV3ForCausalLM, Glm4MoeForCausalLM) op for op.
 #include "framework/model.h"
 
 #include <ATen/ATen.h>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "experts/expert_function.h"
 #include "experts/registry.h"
+#include "framework/attention.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
 #include "router/gating.h"
@@ -20,28 +22,17 @@ struct MoeModel::Layer {
   int64_t idx = 0;
   bool moe = false;
   at::Tensor input_norm, post_attn_norm;
-  at::Tensor q_proj, k_proj, v_proj, o_proj;
-  at::Tensor q_bias, k_bias, v_bias;  // defined when attention_bias
-  at::Tensor q_norm, k_norm;          // defined when qk_norm
-  // Dense MLP (dense layers) or shared expert (MoE layers of qwen2_moe).
+  GqaWeights gqa;       // GQA attention
+  LatentWeights mla;    // or multi-head latent attention
+  // Dense MLP (dense layers) or shared expert(s) (MoE layers).
   at::Tensor mlp_gate, mlp_up, mlp_down;
-  at::Tensor shared_gate;  // [1, H] qwen2_moe shared_expert_gate
+  at::Tensor shared_gate;  // [1, H] qwen2_moe shared_expert_gate; undefined: ungated
   at::Tensor router;       // [E, H]
+  at::Tensor correction_bias;  // [E] fp32 e_score_correction_bias (sigmoid routers)
   at::Tensor gate_up_proj, down_proj;  // packed experts, CPU
 };
 
 namespace {
-
-at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  at::Tensor xf = x.to(at::kFloat);
-  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
-}
-
-at::Tensor RotateHalf(const at::Tensor& x) {
-  const int64_t half = x.size(-1) / 2;
-  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
-}
 
 at::Tensor SwiGlu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
                   const at::Tensor& down) {
@@ -49,13 +40,6 @@ at::Tensor SwiGlu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor&
 }
 
 }  // namespace
-
-bool ModelOptions::IsMoeLayer(int64_t layer_idx) const {
-  for (int64_t l : mlp_only_layers) {
-    if (l == layer_idx) return false;
-  }
-  return num_experts > 0 && decoder_sparse_step > 0 && (layer_idx + 1) % decoder_sparse_step == 0;
-}
 
 MoeModel::MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
                    router::ExpertPlacement placement)
@@ -110,6 +94,11 @@ void MoeModel::Build(uint64_t seed) {
   auto norm = [&](const std::string& name, int64_t n) {
     return add(name + ".weight", {n}, false, false, false);
   };
+  auto swiglu = [&](const std::string& name, int64_t width, Layer& l) {
+    l.mlp_gate = linear(name + ".gate_proj", width, h);
+    l.mlp_up = linear(name + ".up_proj", width, h);
+    l.mlp_down = linear(name + ".down_proj", h, width);
+  };
 
   embed_tokens_ = add("model.embed_tokens.weight", {o.vocab_size, h}, true, true, false);
   for (int64_t i = 0; i < o.num_hidden_layers; ++i) {
@@ -118,37 +107,58 @@ void MoeModel::Build(uint64_t seed) {
     l.idx = i;
     l.moe = o.IsMoeLayer(i);
     l.input_norm = norm(p + "input_layernorm", h);
-    l.q_proj = linear(p + "self_attn.q_proj", o.num_attention_heads * hd, h);
-    l.k_proj = linear(p + "self_attn.k_proj", o.num_key_value_heads * hd, h);
-    l.v_proj = linear(p + "self_attn.v_proj", o.num_key_value_heads * hd, h);
-    if (o.attention_bias) {
-      l.q_bias = bias(p + "self_attn.q_proj", o.num_attention_heads * hd);
-      l.k_bias = bias(p + "self_attn.k_proj", o.num_key_value_heads * hd);
-      l.v_bias = bias(p + "self_attn.v_proj", o.num_key_value_heads * hd);
-    }
-    l.o_proj = linear(p + "self_attn.o_proj", h, o.num_attention_heads * hd);
-    if (o.qk_norm) {
-      l.q_norm = norm(p + "self_attn.q_norm", hd);
-      l.k_norm = norm(p + "self_attn.k_norm", hd);
+    if (o.attention == AttentionKind::kMla) {
+      const int64_t heads = o.num_attention_heads;
+      LatentWeights& w = l.mla;
+      if (o.q_lora_rank > 0) {
+        w.q_a_proj = linear(p + "self_attn.q_a_proj", o.q_lora_rank, h);
+        w.q_a_norm = norm(p + "self_attn.q_a_layernorm", o.q_lora_rank);
+        w.q_b_proj = linear(p + "self_attn.q_b_proj", heads * o.qk_head_dim(), o.q_lora_rank);
+      } else {
+        w.q_proj = linear(p + "self_attn.q_proj", heads * o.qk_head_dim(), h);
+      }
+      w.kv_a_proj =
+          linear(p + "self_attn.kv_a_proj_with_mqa", o.kv_lora_rank + o.qk_rope_head_dim, h);
+      w.kv_a_norm = norm(p + "self_attn.kv_a_layernorm", o.kv_lora_rank);
+      w.kv_b_proj = linear(p + "self_attn.kv_b_proj",
+                           heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank);
+      w.o_proj = linear(p + "self_attn.o_proj", h, heads * o.v_head_dim);
+    } else {
+      GqaWeights& w = l.gqa;
+      w.q_proj = linear(p + "self_attn.q_proj", o.num_attention_heads * hd, h);
+      w.k_proj = linear(p + "self_attn.k_proj", o.num_key_value_heads * hd, h);
+      w.v_proj = linear(p + "self_attn.v_proj", o.num_key_value_heads * hd, h);
+      if (o.attention_bias) {
+        w.q_bias = bias(p + "self_attn.q_proj", o.num_attention_heads * hd);
+        w.k_bias = bias(p + "self_attn.k_proj", o.num_key_value_heads * hd);
+        w.v_bias = bias(p + "self_attn.v_proj", o.num_key_value_heads * hd);
+      }
+      w.o_proj = linear(p + "self_attn.o_proj", h, o.num_attention_heads * hd);
+      if (o.qk_norm) {
+        w.q_norm = norm(p + "self_attn.q_norm", hd);
+        w.k_norm = norm(p + "self_attn.k_norm", hd);
+      }
     }
     l.post_attn_norm = norm(p + "post_attention_layernorm", h);
     if (l.moe) {
       const int64_t inter = o.moe_intermediate_size;
       l.router = linear(p + "mlp.gate", o.num_experts, h);
+      if (o.correction_bias) {
+        l.correction_bias = at::zeros({o.num_experts}, at::TensorOptions(runtime_.dense_device));
+        buffers_.push_back({p + "mlp.gate.e_score_correction_bias", l.correction_bias,
+                            /*weight_decay=*/false, /*expert=*/false});
+      }
       l.gate_up_proj =
           add(p + "mlp.experts.gate_up_proj", {o.num_experts, 2 * inter, h}, true, true, true);
       l.down_proj = add(p + "mlp.experts.down_proj", {o.num_experts, h, inter}, true, true, true);
       if (o.shared_expert_intermediate_size > 0) {
-        const int64_t s = o.shared_expert_intermediate_size;
-        l.mlp_gate = linear(p + "mlp.shared_expert.gate_proj", s, h);
-        l.mlp_up = linear(p + "mlp.shared_expert.up_proj", s, h);
-        l.mlp_down = linear(p + "mlp.shared_expert.down_proj", h, s);
+        swiglu(p + "mlp.shared_expert", o.shared_expert_intermediate_size, l);
         l.shared_gate = linear(p + "mlp.shared_expert_gate", 1, h);
+      } else if (o.n_shared_experts > 0) {
+        swiglu(p + "mlp.shared_experts", o.shared_experts_intermediate_size(), l);
       }
     } else {
-      l.mlp_gate = linear(p + "mlp.gate_proj", o.intermediate_size, h);
-      l.mlp_up = linear(p + "mlp.up_proj", o.intermediate_size, h);
-      l.mlp_down = linear(p + "mlp.down_proj", h, o.intermediate_size);
+      swiglu(p + "mlp", o.intermediate_size, l);
     }
     layers_.push_back(std::move(l));
   }
@@ -156,44 +166,37 @@ void MoeModel::Build(uint64_t seed) {
   lm_head_ = o.tie_word_embeddings ? embed_tokens_ : linear("lm_head", o.vocab_size, h);
 }
 
-at::Tensor MoeModel::Attention(const Layer& l, const at::Tensor& x, const at::Tensor& cos,
-                               const at::Tensor& sin) {
-  const ModelOptions& o = options_;
-  const int64_t b = x.size(0), t = x.size(1), hd = o.head_dim;
-  auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, int64_t n) {
-    return at::linear(x, proj, bias).view({b, t, n, hd});
-  };
-  at::Tensor q = heads(l.q_proj, l.q_bias, o.num_attention_heads);
-  at::Tensor k = heads(l.k_proj, l.k_bias, o.num_key_value_heads);
-  at::Tensor v = heads(l.v_proj, l.v_bias, o.num_key_value_heads).transpose(1, 2);
-  if (o.qk_norm) {
-    q = RmsNorm(q, l.q_norm, o.rms_norm_eps);
-    k = RmsNorm(k, l.k_norm, o.rms_norm_eps);
-  }
-  q = q.transpose(1, 2);  // [B, heads, T, hd]
-  k = k.transpose(1, 2);
-  q = q * cos + RotateHalf(q) * sin;
-  k = k * cos + RotateHalf(k) * sin;
-  const int64_t groups = o.num_attention_heads / o.num_key_value_heads;
-  if (groups > 1) {
-    k = k.repeat_interleave(groups, 1);
-    v = v.repeat_interleave(groups, 1);
-  }
-  at::Tensor attn = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                     /*is_causal=*/true);
-  return at::linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), l.o_proj);
+std::vector<Parameter> MoeModel::named_tensors() const {
+  std::vector<Parameter> out = params_;
+  out.insert(out.end(), buffers_.begin(), buffers_.end());
+  return out;
 }
 
-at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, MoeLayerRouting* routing) {
+at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequences,
+                         MoeLayerRouting* routing) {
   const ModelOptions& o = options_;
   const int64_t k = o.num_experts_per_tok;
   // a. Router on the dense device.
-  router::TopKRouting r = router::SoftmaxTopK(
-      at::linear(x, l.router), {.num_experts_per_tok = k, .norm_topk_prob = o.norm_topk_prob});
+  at::Tensor logits = at::linear(x, l.router);
+  router::TopKRouting r;
+  if (o.scoring == RouterScoring::kSigmoid) {
+    r = router::SigmoidGroupTopK(logits, l.correction_bias,
+                                 {.num_experts_per_tok = k,
+                                  .n_group = o.n_group,
+                                  .topk_group = o.topk_group,
+                                  .norm_topk_prob = o.norm_topk_prob,
+                                  .routed_scaling_factor = o.routed_scaling_factor});
+    if (o.aux_loss_alpha > 0) {
+      routing->seq_balance_sum = router::SequenceBalanceLossSum(r.probs, r.topk_idx, num_sequences);
+    }
+  } else {
+    r = router::SoftmaxTopK(logits, {.num_experts_per_tok = k, .norm_topk_prob = o.norm_topk_prob});
+  }
   router::BalanceStats stats = router::ComputeBalanceStats(r, o.num_experts);
   routing->layer_idx = l.idx;
   routing->prob_sum = stats.prob_sum;
   routing->expert_count = stats.expert_count.to(at::kCPU);
+  routing->correction_bias = l.correction_bias;
 
   // c. Activations to the host, in the experts' dtype.
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
@@ -210,6 +213,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, MoeLayerRouting* r
   if (l.shared_gate.defined()) {
     out = out + at::sigmoid(at::linear(x, l.shared_gate)) *
                     SwiGlu(x, l.mlp_gate, l.mlp_up, l.mlp_down);
+  } else if (l.mlp_gate.defined()) {
+    out = out + SwiGlu(x, l.mlp_gate, l.mlp_up, l.mlp_down);
   }
   return out;
 }
@@ -220,24 +225,18 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids) {
   at::Tensor ids = input_ids.to(dev);
   const int64_t b = ids.size(0), t = ids.size(1);
   ForwardResult result;
-
-  // RoPE tables: inv_freq = theta^(-2i/d), emb = [freqs, freqs].
-  at::Tensor inv_freq =
-      1.0 / at::pow(o.rope_theta, at::arange(0, o.head_dim, 2, at::TensorOptions(dev).dtype(at::kLong))
-                                          .to(at::kFloat) /
-                                      static_cast<double>(o.head_dim));
-  at::Tensor freqs = at::outer(at::arange(t, at::TensorOptions(dev).dtype(at::kFloat)), inv_freq);
-  at::Tensor emb = at::cat({freqs, freqs}, -1);
-  at::Tensor cos = emb.cos(), sin = emb.sin();
+  const RotaryTables rope = ComputeRotaryTables(o, t, dev);
 
   at::Tensor hidden = at::embedding(embed_tokens_, ids);
   for (const Layer& l : layers_) {
-    hidden = hidden + Attention(l, RmsNorm(hidden, l.input_norm, o.rms_norm_eps), cos, sin);
-    at::Tensor normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
+    at::Tensor normed = RmsNorm(hidden, l.input_norm, o.rms_norm_eps);
+    hidden = hidden + (o.attention == AttentionKind::kMla ? LatentAttention(o, l.mla, normed, rope)
+                                                          : GqaAttention(o, l.gqa, normed, rope));
+    normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
     if (l.moe) {
       MoeLayerRouting routing;
       at::Tensor flat = normed.reshape({b * t, o.hidden_size});
-      hidden = hidden + Moe(l, flat, &routing).view({b, t, o.hidden_size});
+      hidden = hidden + Moe(l, flat, b, &routing).view({b, t, o.hidden_size});
       result.moe_layers.push_back(std::move(routing));
     } else {
       hidden = hidden + SwiGlu(normed, l.mlp_gate, l.mlp_up, l.mlp_down);

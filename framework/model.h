@@ -1,8 +1,13 @@
 // The MoE decoder-only transformer shared by every family.
 //
-// embedding -> N x [RMSNorm -> GQA causal attention (RoPE; optional per-head
-// q/k RMSNorm; optional q/k/v bias) -> residual -> RMSNorm -> MoE block or
-// dense SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied or not).
+// embedding -> N x [RMSNorm -> causal attention -> residual -> RMSNorm -> MoE
+// block or dense SwiGLU MLP -> residual] -> RMSNorm -> LM head (tied or not).
+// Attention is GQA (RoPE on all or the first part of each head; optional
+// per-head q/k RMSNorm; optional q/k/v bias) or DeepSeek's multi-head latent
+// attention; rotary frequencies are plain or YaRN-scaled. The MoE block is a
+// router (softmax top-k, or sigmoid with correction bias and groups), the
+// routed experts, and optionally a shared expert (qwen2_moe's gated one, or
+// DeepSeek's ungated ones).
 //
 // The dense parts live on the dense device (CUDA when available, else CPU);
 // routed experts live on the CPU in the packed layout and are computed by an
@@ -57,8 +62,14 @@ struct Parameter {
 // What one MoE layer's router saw in a forward pass.
 struct MoeLayerRouting {
   int64_t layer_idx = 0;
-  at::Tensor prob_sum;      // [E] fp32, differentiable (for the balance loss)
+  at::Tensor prob_sum;      // [E] fp32, differentiable (for the Switch balance loss)
   at::Tensor expert_count;  // [E] fp32 assignments per expert (this rank's tokens), CPU
+  // Sigmoid routers: DeepSeek's sequence-wise balance loss summed over this
+  // rank's sequences (differentiable; router::SequenceBalanceLossSum).
+  at::Tensor seq_balance_sum;
+  // The layer's e_score_correction_bias buffer itself (undefined without one):
+  // the trainer moves it in place after each step.
+  at::Tensor correction_bias;
 };
 
 struct ForwardResult {
@@ -82,6 +93,11 @@ class MoeModel {
   ForwardResult Forward(const at::Tensor& input_ids);
 
   const std::vector<Parameter>& parameters() const { return params_; }
+  // State that is saved and loaded with the weights but not trained by the
+  // optimizer (the routers' e_score_correction_bias), requires_grad false.
+  const std::vector<Parameter>& buffers() const { return buffers_; }
+  // parameters() then buffers(): everything a checkpoint holds.
+  std::vector<Parameter> named_tensors() const;
   const ModelOptions& options() const { return options_; }
   const ModelRuntime& runtime() const { return runtime_; }
   const router::ExpertPlacement& placement() const { return placement_; }
@@ -91,9 +107,9 @@ class MoeModel {
   MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
            router::ExpertPlacement placement);
   void Build(uint64_t seed);
-  at::Tensor Attention(const Layer& layer, const at::Tensor& x, const at::Tensor& cos,
-                       const at::Tensor& sin);
-  at::Tensor Moe(const Layer& layer, const at::Tensor& x, MoeLayerRouting* routing);
+  // x: [num_sequences * T, H] (sequence-major).
+  at::Tensor Moe(const Layer& layer, const at::Tensor& x, int64_t num_sequences,
+                 MoeLayerRouting* routing);
 
   ModelOptions options_;
   ModelRuntime runtime_;
@@ -101,6 +117,7 @@ class MoeModel {
   router::ExpertPlacement placement_;
   std::unique_ptr<parallel::Dispatcher> dispatcher_;
   std::vector<Parameter> params_;
+  std::vector<Parameter> buffers_;
   std::vector<Layer> layers_;
   at::Tensor embed_tokens_, final_norm_, lm_head_;
 };

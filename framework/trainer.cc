@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <google/protobuf/util/json_util.h>
+#include <torch/csrc/autograd/grad_mode.h>
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -158,32 +159,49 @@ StepStats Trainer::Step(int64_t step) {
   double loss_here = 0, aux_here = 0;
   at::Tensor load;  // [moe layers, E] assignments over the global batch
   std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
+  std::vector<at::Tensor> correction_biases;  // of each row of `load` (undefined: none)
   for (const Batch& batch : micro) {
     ForwardResult out = s.model.Forward(batch.input_ids);
     LossSum ce = CausalLmLossSum(out.logits, batch.labels);
     at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {
-      // HF's balance loss over all MoE layers' decisions on this micro-batch
-      // of the global batch: counts and token totals are summed over ranks,
-      // each rank adds its share of the probability mass.
       std::vector<at::Tensor> counts;
-      at::Tensor prob_sum = out.moe_layers[0].prob_sum;
-      for (size_t l = 0; l < out.moe_layers.size(); ++l) {
-        if (l > 0) prob_sum = prob_sum + out.moe_layers[l].prob_sum;
-        counts.push_back(out.moe_layers[l].expert_count);
-      }
+      for (const MoeLayerRouting& r : out.moe_layers) counts.push_back(r.expert_count);
       at::Tensor layer_counts = SumOver(dp, at::stack(counts).to(at::kDouble));
-      // Every (token, layer) makes num_experts_per_tok assignments.
-      const int64_t tokens = std::llround(layer_counts.sum().item<double>()) / mo.num_experts_per_tok;
-      at::Tensor aux = router::LoadBalancingLoss(prob_sum, layer_counts.sum(0).to(at::kFloat),
-                                                 tokens, mo.num_experts);
-      aux_here += aux.item<double>();
-      if (mo.router_aux_loss_coef > 0) {
-        loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
+      if (mo.scoring == RouterScoring::kSoftmax) {
+        // HF's balance loss over all MoE layers' decisions on this micro-batch
+        // of the global batch: counts and token totals are summed over ranks,
+        // each rank adds its share of the probability mass.
+        at::Tensor prob_sum = out.moe_layers[0].prob_sum;
+        for (size_t l = 1; l < out.moe_layers.size(); ++l) {
+          prob_sum = prob_sum + out.moe_layers[l].prob_sum;
+        }
+        // Every (token, layer) makes num_experts_per_tok assignments.
+        const int64_t tokens =
+            std::llround(layer_counts.sum().item<double>()) / mo.num_experts_per_tok;
+        at::Tensor aux = router::LoadBalancingLoss(prob_sum, layer_counts.sum(0).to(at::kFloat),
+                                                   tokens, mo.num_experts);
+        aux_here += aux.item<double>();
+        if (mo.router_aux_loss_coef > 0) {
+          loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
+        }
+      } else if (mo.aux_loss_alpha > 0) {
+        // DeepSeek-V3's sequence-wise loss: per MoE layer, the mean over the
+        // micro-batch's sequences (of all ranks); the layers' losses add up.
+        at::Tensor seq_sum = out.moe_layers[0].seq_balance_sum;
+        for (size_t l = 1; l < out.moe_layers.size(); ++l) {
+          seq_sum = seq_sum + out.moe_layers[l].seq_balance_sum;
+        }
+        at::Tensor aux = seq_sum / static_cast<double>(per_micro);
+        aux_here += aux.item<double>();
+        loss = loss + aux * (mo.aux_loss_alpha / static_cast<double>(o.grad_accum_steps));
       }
       load = load.defined() ? load + layer_counts : layer_counts;
       if (moe_layer_idx.empty()) {
-        for (const MoeLayerRouting& r : out.moe_layers) moe_layer_idx.push_back(r.layer_idx);
+        for (const MoeLayerRouting& r : out.moe_layers) {
+          moe_layer_idx.push_back(r.layer_idx);
+          correction_biases.push_back(r.correction_bias);
+        }
       }
     }
     loss_here += ce.sum.item<double>();
@@ -198,6 +216,18 @@ StepStats Trainer::Step(int64_t step) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
   }
   s.optimizer->step();
+  // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
+  // rate towards balance, from the global batch's counts, which every rank
+  // holds alike, so the biases stay equal on all ranks.
+  if (o.bias_update_rate > 0) {
+    torch::NoGradGuard no_grad;
+    for (size_t row = 0; row < correction_biases.size(); ++row) {
+      at::Tensor& bias = correction_biases[row];
+      if (!bias.defined()) continue;
+      at::Tensor c = load[row].to(at::kFloat);
+      bias.add_(at::sign(c.mean() - c).to(bias.device()), o.bias_update_rate);
+    }
+  }
 
   for (size_t row = 0; row < moe_layer_idx.size(); ++row) {
     at::Tensor c = load[row].to(at::kLong);

@@ -11,9 +11,13 @@
 // The loss of a step is the sum of per-token cross entropies over the whole
 // global batch divided by the number of trained tokens in it (not a mean of
 // per-micro-batch means), so that any split of the batch into micro-batches —
-// or, later, ranks — gives the same loss and the same gradients. The balance
-// loss is HF's: over all MoE layers' routing decisions of a micro-batch,
-// scaled by router_aux_loss_coef and averaged over micro-batches.
+// or ranks — gives the same loss and the same gradients. The balance loss of
+// softmax routers is HF's: over all MoE layers' routing decisions of a
+// micro-batch, scaled by router_aux_loss_coef and averaged over micro-batches.
+// Sigmoid routers use DeepSeek-V3's sequence-wise loss (aux_loss_alpha) and
+// aux-loss-free balancing: after each optimizer step every layer's
+// e_score_correction_bias moves by bias_update_rate towards balance, from the
+// per-expert counts of the whole global batch.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +55,9 @@ struct TrainOptions {
   uint64_t seed = 0;
   OptimizerOptions optimizer;
   ScheduleOptions schedule;
+  // Aux-loss-free balancing: per-step move of each correction bias (routers
+  // with e_score_correction_bias only); 0 = frozen.
+  double bias_update_rate = 0.001;
   std::string metrics_file;  // JSON Lines; empty = none (written by rank 0)
   int64_t log_every = 1;
 };
@@ -68,7 +75,10 @@ struct LayerLoad {
 struct StepStats {
   int64_t step = 0;  // 1-based, as printed
   double loss = 0;       // cross entropy per trained token
-  double aux_loss = 0;   // balance loss (unscaled), mean over micro-batches
+  // Balance loss (unscaled), mean over micro-batches: the Switch loss of
+  // softmax routers, or the sequence-wise loss of sigmoid routers (when
+  // aux_loss_alpha > 0).
+  double aux_loss = 0;
   double lr = 0;
   double grad_norm = 0;  // before clipping
   int64_t tokens = 0;    // tokens processed in the step

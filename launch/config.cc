@@ -169,17 +169,119 @@ absl::Status ApplyOverride(const std::string& assignment, proto::Config* config)
   return absl::OkStatus();
 }
 
+namespace {
+
+// config.json keys moefit reads nothing from, each with the reason. Every
+// other key either fills a ModelConfig field of the same name (after the
+// family's renames), or is checked below, or stops the load: a key that
+// changes the model's math must never be dropped without a word.
+struct IgnoredKey {
+  const char* key;
+  const char* why;
+};
+constexpr IgnoredKey kIgnoredKeys[] = {
+    {"architectures", "the family follows model_type"},
+    {"auto_map", "no remote code is run"},
+    {"transformers_version", "bookkeeping"},
+    {"_name_or_path", "bookkeeping"},
+    {"torch_dtype", "experts.dtype and checkpoint.save_dtype set the dtypes"},
+    {"dtype", "experts.dtype and checkpoint.save_dtype set the dtypes"},
+    {"use_cache", "training keeps no KV cache"},
+    {"bos_token_id", "the data carries its tokens"},
+    {"eos_token_id", "the data carries its tokens"},
+    {"pad_token_id", "the data carries its tokens"},
+    {"output_router_logits", "the balance loss follows router_aux_loss_coef"},
+    {"pretraining_tp", "a tensor-parallel hint of the original training"},
+    {"ep_size", "expert parallelism is parallel.ep_size"},
+    {"qk_head_dim", "derived (qk_nope_head_dim + qk_rope_head_dim); checked"},
+    {"sliding_window", "used only with use_sliding_window, which must be false"},
+    {"max_window_layers", "used only with use_sliding_window, which must be false"},
+    {"layer_types", "checked: every layer full attention"},
+    {"rope_parameters", "read as rope_scaling / rope_theta / partial_rotary_factor"},
+    {"num_mtp_layers", "read as num_nextn_predict_layers"},
+    {"hidden_act", "checked: silu"},
+    {"attention_dropout", "checked: 0"},
+    {"router_jitter_noise", "checked: 0"},
+    {"use_sliding_window", "checked: false"},
+    {"mlp_bias", "checked: false"},
+};
+
+const IgnoredKey* FindIgnored(const std::string& key) {
+  for (const IgnoredKey& k : kIgnoredKeys) {
+    if (key == k.key) return &k;
+  }
+  return nullptr;
+}
+
+// The checked keys of kIgnoredKeys: values moefit does not implement stop the load.
+absl::Status CheckUnsupportedValues(const std::string& path, const nlohmann::json& j) {
+  auto bad = [&](const char* key, const std::string& why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": ", key, " = ", j[key].dump(), " is not supported: ", why));
+  };
+  if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
+    return bad("hidden_act", "moefit's MLPs and experts are SwiGLU (silu)");
+  }
+  for (const char* key : {"attention_dropout", "router_jitter_noise"}) {
+    if (j.contains(key) && !j[key].is_null() && !(j[key].is_number() && j[key] == 0)) {
+      return bad(key, "moefit has no dropout or router noise; set it to 0");
+    }
+  }
+  for (const char* key : {"use_sliding_window", "mlp_bias"}) {
+    if (j.contains(key) && j[key].is_boolean() && j[key].get<bool>()) {
+      return bad(key, "moefit has no sliding-window attention or MLP biases");
+    }
+  }
+  // Mixtral's config has no use_sliding_window: a window is on when given.
+  if (j.contains("sliding_window") && !j["sliding_window"].is_null() &&
+      !j.contains("use_sliding_window")) {
+    return bad("sliding_window", "moefit has no sliding-window attention (set it to null)");
+  }
+  if (j.contains("layer_types") && j["layer_types"].is_array()) {
+    for (const auto& t : j["layer_types"]) {
+      if (t != "full_attention") return bad("layer_types", "every layer must be full_attention");
+    }
+  }
+  if (j.contains("qk_head_dim") && j["qk_head_dim"].is_number_integer() &&
+      j.contains("qk_nope_head_dim") && j.contains("qk_rope_head_dim") &&
+      j["qk_head_dim"].get<int64_t>() !=
+          j.value("qk_nope_head_dim", int64_t{0}) + j.value("qk_rope_head_dim", int64_t{0})) {
+    return bad("qk_head_dim", "it must equal qk_nope_head_dim + qk_rope_head_dim");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, std::string>> IgnoredHfConfigKeys() {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const IgnoredKey& k : kIgnoredKeys) out.emplace_back(k.key, k.why);
+  return out;
+}
+
 absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model) {
   MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "model.config_json"));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded() || !j.is_object()) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": not a JSON object"));
   }
-  // Newer config.json files keep rope_theta under rope_parameters.
-  if (j.contains("rope_parameters") && j["rope_parameters"].is_object() &&
-      j["rope_parameters"].contains("rope_theta") && !j.contains("rope_theta")) {
-    j["rope_theta"] = j["rope_parameters"]["rope_theta"];
+  MOEFIT_RETURN_IF_ERROR(CheckUnsupportedValues(path, j));
+  // Newer config.json files (transformers v5) keep the rotary settings under
+  // rope_parameters; older ones use rope_theta, partial_rotary_factor and
+  // rope_scaling at the top level. Both end up in the same fields.
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
+    const nlohmann::json& rp = j["rope_parameters"];
+    for (const char* key : {"rope_theta", "partial_rotary_factor"}) {
+      if (rp.contains(key) && !j.contains(key)) j[key] = rp[key];
+    }
+    if (!j.contains("rope_scaling") || j["rope_scaling"].is_null()) j["rope_scaling"] = rp;
   }
+  if (j.contains("num_mtp_layers") && !j.contains("num_nextn_predict_layers")) {
+    j["num_nextn_predict_layers"] = j["num_mtp_layers"];
+  }
+  // DeepSeek writes "q_lora_rank": null for queries without compression; keep
+  // that apart from "not given" (which takes the family default).
+  if (j.contains("q_lora_rank") && j["q_lora_rank"].is_null()) j["q_lora_rank"] = 0;
   // Family-specific key names (e.g. mixtral's num_local_experts).
   if (const framework::ModelFamily* f = framework::FindModelFamily(j.value("model_type", ""));
       f != nullptr && f->from_hf_config != nullptr) {
@@ -188,9 +290,19 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   proto::ModelConfig from_json;
   const pb::Descriptor* d = proto::ModelConfig::descriptor();
   pb::util::JsonParseOptions jopts;
+  // Inside rope_scaling and quantization_config: keys of types moefit does not
+  // implement are reported by the resolution step, which names the type.
+  jopts.ignore_unknown_fields = true;
   for (auto it = j.begin(); it != j.end(); ++it) {
     const pb::FieldDescriptor* f = d->FindFieldByName(it.key());
-    if (f == nullptr || it.key() == "config_json" || it.value().is_null()) continue;
+    if (f == nullptr || it.key() == "config_json" || it.key() == "model_path") {
+      if (FindIgnored(it.key()) != nullptr) continue;
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": key \"", it.key(), "\" = ", it.value().dump(),
+          " is not read by moefit (neither a model field nor on the documented ignore list); "
+          "remove it if it does not change the model"));
+    }
+    if (it.value().is_null()) continue;
     nlohmann::json one = {{it.key(), it.value()}};
     proto::ModelConfig part;
     if (!pb::util::JsonStringToMessage(one.dump(), &part, jopts).ok()) {
@@ -249,6 +361,164 @@ absl::Status RequirePositive(const char* field, int64_t v) {
   return absl::OkStatus();
 }
 
+// scoring_func / topk_method / groups / scaling / the balance losses.
+absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions& o) {
+  if (m.has_scoring_func()) {
+    if (m.scoring_func() == "softmax") {
+      o.scoring = framework::RouterScoring::kSoftmax;
+    } else if (m.scoring_func() == "sigmoid") {
+      o.scoring = framework::RouterScoring::kSigmoid;
+    } else {
+      return Invalid(absl::StrCat("model.scoring_func = '", m.scoring_func(),
+                                  "' is not supported (softmax or sigmoid)"));
+    }
+  }
+  if (m.has_topk_method()) {
+    if (m.topk_method() == "noaux_tc") {
+      o.correction_bias = true;
+    } else if (m.topk_method() == "greedy") {
+      o.correction_bias = false;
+      o.n_group = o.topk_group = 1;  // plain top-k over all experts
+    } else if (m.topk_method() == "group_limited_greedy") {
+      o.correction_bias = false;
+    } else {
+      return Invalid(absl::StrCat("model.topk_method = '", m.topk_method(),
+                                  "' is not supported (noaux_tc, greedy or group_limited_greedy)"));
+    }
+  }
+  if (o.scoring == framework::RouterScoring::kSigmoid && m.has_router_aux_loss_coef() &&
+      m.router_aux_loss_coef() > 0) {
+    return Invalid("model.router_aux_loss_coef: the Switch balance loss needs softmax scores; "
+                   "sigmoid routers use model.aux_loss_alpha (sequence-wise) and the correction "
+                   "bias");
+  }
+  if (o.correction_bias && o.scoring != framework::RouterScoring::kSigmoid) {
+    return Invalid("model.topk_method = 'noaux_tc' needs model.scoring_func = 'sigmoid'");
+  }
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("model.n_group", o.n_group));
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("model.topk_group", o.topk_group));
+  if (o.num_experts % o.n_group != 0) {
+    return Invalid(absl::StrCat("model.num_experts = ", o.num_experts,
+                                " is not divisible by model.n_group = ", o.n_group));
+  }
+  if (o.topk_group > o.n_group) {
+    return Invalid(absl::StrCat("model.topk_group = ", o.topk_group, " exceeds model.n_group = ",
+                                o.n_group));
+  }
+  const int64_t group_size = o.num_experts / o.n_group;
+  if (o.n_group > 1 && group_size < 2) {
+    return Invalid(absl::StrCat("model.n_group = ", o.n_group, " leaves ", group_size,
+                                " expert per group; a group's score is its best two experts"));
+  }
+  if (o.num_experts_per_tok > o.topk_group * group_size) {
+    return Invalid(absl::StrCat("model.num_experts_per_tok = ", o.num_experts_per_tok,
+                                " exceeds the ", o.topk_group * group_size,
+                                " experts of the model.topk_group = ", o.topk_group,
+                                " groups a token may use"));
+  }
+  if (!(o.routed_scaling_factor > 0)) {
+    return Invalid(absl::StrCat("model.routed_scaling_factor = ", o.routed_scaling_factor,
+                                " must be positive"));
+  }
+  if (o.aux_loss_alpha < 0) {
+    return Invalid(absl::StrCat("model.aux_loss_alpha = ", o.aux_loss_alpha, " must be >= 0"));
+  }
+  if (o.aux_loss_alpha > 0 && m.has_seq_aux() && !m.seq_aux()) {
+    return Invalid("model.seq_aux = false: moefit implements only the sequence-wise balance loss "
+                   "of aux_loss_alpha");
+  }
+  if (o.scoring == framework::RouterScoring::kSigmoid) o.router_aux_loss_coef = 0;
+  return absl::OkStatus();
+}
+
+// rope_scaling: "default" or "yarn"; anything else is named and refused.
+absl::Status ResolveRope(const proto::ModelConfig& m, framework::ModelOptions& o) {
+  if (m.has_rope_scaling()) {
+    const proto::RopeScalingConfig& r = m.rope_scaling();
+    if (r.has_rope_theta() && !m.has_rope_theta()) o.rope_theta = r.rope_theta();
+    if (r.has_partial_rotary_factor() && !m.has_partial_rotary_factor()) {
+      o.partial_rotary_factor = r.partial_rotary_factor();
+    }
+    const std::string type = r.has_rope_type() ? r.rope_type() : r.has_type() ? r.type() : "default";
+    framework::RopeScaling& s = o.rope_scaling;
+    if (type == "yarn") {
+      s.type = "yarn";
+      s.original_max_position_embeddings = r.has_original_max_position_embeddings()
+                                                ? r.original_max_position_embeddings()
+                                                : o.max_position_embeddings;
+      MOEFIT_RETURN_IF_ERROR(RequirePositive("model.rope_scaling.original_max_position_embeddings",
+                                             s.original_max_position_embeddings));
+      s.factor = r.has_factor() ? r.factor()
+                                : static_cast<double>(o.max_position_embeddings) /
+                                      static_cast<double>(s.original_max_position_embeddings);
+      if (!(s.factor > 0)) {
+        return Invalid(absl::StrCat("model.rope_scaling.factor = ", s.factor, " must be positive"));
+      }
+      if (r.has_beta_fast() && r.beta_fast() != 0) s.beta_fast = r.beta_fast();
+      if (r.has_beta_slow() && r.beta_slow() != 0) s.beta_slow = r.beta_slow();
+      s.mscale = r.mscale();
+      s.mscale_all_dim = r.mscale_all_dim();
+      if (r.has_attention_factor()) s.attention_factor = r.attention_factor();
+      if (r.has_truncate()) s.truncate = r.truncate();
+    } else if (type != "default") {
+      return Invalid(absl::StrCat("model.rope_scaling type '", type,
+                                  "' is not implemented by moefit (default or yarn)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// quantization_config: FP8 e4m3 block-scaled checkpoints, dequantized on load.
+absl::Status ResolveQuantization(const proto::ModelConfig& m, framework::ModelOptions& o) {
+  if (!m.has_quantization_config()) return absl::OkStatus();
+  const proto::QuantizationConfig& q = m.quantization_config();
+  if (q.quant_method() != "fp8") {
+    return Invalid(absl::StrCat("model.quantization_config.quant_method = '", q.quant_method(),
+                                "' is not supported (moefit reads fp8 block-scaled checkpoints)"));
+  }
+  if (!q.fmt().empty() && q.fmt() != "e4m3") {
+    return Invalid(absl::StrCat("model.quantization_config.fmt = '", q.fmt(),
+                                "' is not supported (e4m3)"));
+  }
+  std::array<int64_t, 2> block = {128, 128};
+  if (q.weight_block_size_size() != 0) {
+    if (q.weight_block_size_size() != 2 || q.weight_block_size(0) <= 0 ||
+        q.weight_block_size(1) <= 0) {
+      return Invalid("model.quantization_config.weight_block_size must be two positive sizes "
+                     "[rows, cols]");
+    }
+    block = {q.weight_block_size(0), q.weight_block_size(1)};
+  }
+  o.fp8_weight_block = block;
+  return absl::OkStatus();
+}
+
+// Multi-head latent attention dims.
+absl::Status ResolveMla(framework::ModelOptions& o) {
+  for (auto [name, value] : std::vector<std::pair<const char*, int64_t>>{
+           {"model.kv_lora_rank", o.kv_lora_rank},
+           {"model.qk_nope_head_dim", o.qk_nope_head_dim},
+           {"model.qk_rope_head_dim", o.qk_rope_head_dim},
+           {"model.v_head_dim", o.v_head_dim}}) {
+    MOEFIT_RETURN_IF_ERROR(RequirePositive(name, value));
+  }
+  if (o.q_lora_rank < 0) {
+    return Invalid(absl::StrCat("model.q_lora_rank = ", o.q_lora_rank,
+                                " must be >= 0 (0 or null: no query compression)"));
+  }
+  if (o.qk_rope_head_dim % 2 != 0) {
+    return Invalid(absl::StrCat("model.qk_rope_head_dim = ", o.qk_rope_head_dim,
+                                " must be even (rotary embedding)"));
+  }
+  if (o.attention_bias) {
+    return Invalid("model.attention_bias = true is not supported with multi-head latent attention");
+  }
+  // MLA has no key/value heads of its own: every head reads the shared latent.
+  o.num_key_value_heads = o.num_attention_heads;
+  o.head_dim = o.qk_rope_head_dim;  // what transformers reports as head_dim
+  return absl::OkStatus();
+}
+
 absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m) {
   if (!m.has_model_type()) {
     return Invalid("model.model_type is not set (give it in the config or through model.config_json)");
@@ -263,7 +533,8 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
   }
   framework::ModelOptions o;
   family->set_defaults(o);
-  o.model_type = m.model_type();
+  o.model_type = family->name;
+  if (m.model_type() != family->name) o.hf_model_type = m.model_type();
   // Required shape fields.
   struct Required {
     const char* name;
@@ -307,13 +578,34 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
   if (m.has_max_position_embeddings()) o.max_position_embeddings = m.max_position_embeddings();
   if (m.has_initializer_range()) o.initializer_range = m.initializer_range();
   if (m.has_attention_bias()) o.attention_bias = m.attention_bias();
+  if (m.has_partial_rotary_factor()) o.partial_rotary_factor = m.partial_rotary_factor();
+  if (m.has_use_qk_norm()) o.qk_norm = m.use_qk_norm();
+  if (m.has_q_lora_rank()) o.q_lora_rank = m.q_lora_rank();
+  if (m.has_kv_lora_rank()) o.kv_lora_rank = m.kv_lora_rank();
+  if (m.has_qk_nope_head_dim()) o.qk_nope_head_dim = m.qk_nope_head_dim();
+  if (m.has_qk_rope_head_dim()) o.qk_rope_head_dim = m.qk_rope_head_dim();
+  if (m.has_v_head_dim()) o.v_head_dim = m.v_head_dim();
+  if (m.has_rope_interleave()) o.rope_interleave = m.rope_interleave();
+  if (m.has_n_group()) o.n_group = m.n_group();
+  if (m.has_topk_group()) o.topk_group = m.topk_group();
+  if (m.has_routed_scaling_factor()) o.routed_scaling_factor = m.routed_scaling_factor();
+  if (m.has_n_shared_experts()) o.n_shared_experts = m.n_shared_experts();
+  if (m.has_first_k_dense_replace()) o.first_k_dense_replace = m.first_k_dense_replace();
+  if (m.has_moe_layer_freq()) o.moe_layer_freq = m.moe_layer_freq();
+  if (m.has_aux_loss_alpha()) o.aux_loss_alpha = m.aux_loss_alpha();
+  if (m.has_num_nextn_predict_layers()) o.num_nextn_predict_layers = m.num_nextn_predict_layers();
 
   MOEFIT_RETURN_IF_ERROR(RequirePositive("model.num_key_value_heads", o.num_key_value_heads));
   if (o.num_experts_per_tok > o.num_experts) {
     return Invalid(absl::StrCat("model.num_experts_per_tok = ", o.num_experts_per_tok,
                                 " exceeds model.num_experts = ", o.num_experts));
   }
-  if (m.has_head_dim()) {
+  MOEFIT_RETURN_IF_ERROR(ResolveRouter(m, o));
+  MOEFIT_RETURN_IF_ERROR(ResolveRope(m, o));
+  MOEFIT_RETURN_IF_ERROR(ResolveQuantization(m, o));
+  if (o.attention == framework::AttentionKind::kMla) {
+    MOEFIT_RETURN_IF_ERROR(ResolveMla(o));
+  } else if (m.has_head_dim()) {
     o.head_dim = m.head_dim();
     MOEFIT_RETURN_IF_ERROR(RequirePositive("model.head_dim", o.head_dim));
   } else {
@@ -324,8 +616,16 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
     }
     o.head_dim = o.hidden_size / o.num_attention_heads;
   }
-  if (o.head_dim % 2 != 0) {
-    return Invalid(absl::StrCat("model.head_dim = ", o.head_dim, " must be even (rotary embedding)"));
+  if (o.attention == framework::AttentionKind::kGqa) {
+    if (!(o.partial_rotary_factor > 0 && o.partial_rotary_factor <= 1)) {
+      return Invalid(absl::StrCat("model.partial_rotary_factor = ", o.partial_rotary_factor,
+                                  " must be in (0, 1]"));
+    }
+    if (o.rotary_dim() % 2 != 0 || o.rotary_dim() == 0) {
+      return Invalid(absl::StrCat("model.head_dim = ", o.head_dim, " with partial_rotary_factor ",
+                                  o.partial_rotary_factor, " gives ", o.rotary_dim(),
+                                  " rotary dims; they must be even and positive"));
+    }
   }
   if (o.num_attention_heads % o.num_key_value_heads != 0) {
     return Invalid(absl::StrCat("model.num_attention_heads = ", o.num_attention_heads,
@@ -359,10 +659,27 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
     return Invalid(absl::StrCat("model.router_aux_loss_coef = ", o.router_aux_loss_coef,
                                 " must be >= 0"));
   }
+  if (o.first_k_dense_replace < 0 || o.first_k_dense_replace > o.num_hidden_layers) {
+    return Invalid(absl::StrCat("model.first_k_dense_replace = ", o.first_k_dense_replace,
+                                " must be in [0, model.num_hidden_layers = ", o.num_hidden_layers,
+                                "]"));
+  }
+  MOEFIT_RETURN_IF_ERROR(RequirePositive("model.moe_layer_freq", o.moe_layer_freq));
+  if (o.num_nextn_predict_layers < 0) {
+    return Invalid(absl::StrCat("model.num_nextn_predict_layers = ", o.num_nextn_predict_layers,
+                                " must be >= 0"));
+  }
+  if (o.n_shared_experts < 0) {
+    return Invalid(absl::StrCat("model.n_shared_experts = ", o.n_shared_experts, " must be >= 0"));
+  }
   return o;
 }
 
 }  // namespace
+
+absl::StatusOr<framework::ModelOptions> ResolveModelConfig(const proto::ModelConfig& model) {
+  return ResolveModel(model);
+}
 
 absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   RunConfig run;
@@ -409,6 +726,12 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     return Invalid(absl::StrCat("schedule.min_lr_ratio = ", sc.min_lr_ratio(), " must be in [0, 1]"));
   }
   run.train.schedule = {sc.warmup_steps(), sc.min_lr_ratio()};
+  run.train.bias_update_rate =
+      c.router().has_bias_update_rate() ? c.router().bias_update_rate() : 0.001;
+  if (run.train.bias_update_rate < 0) {
+    return Invalid(absl::StrCat("router.bias_update_rate = ", run.train.bias_update_rate,
+                                " must be >= 0"));
+  }
   run.train.metrics_file = c.logging().metrics_file();
   run.train.log_every = c.logging().log_every();
 

@@ -37,7 +37,13 @@ absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
 absl::Status ApplyOverride(const std::string& assignment, proto::Config* config);
 
 // Fills `model` from an HF config.json: fields the model already has win.
+// Every key of the file is used, or on the ignore list below, or an error
+// naming it; values moefit does not implement (a rope_scaling type, a
+// non-silu activation, dropout, sliding windows) are errors too.
 absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model);
+
+// The config.json keys moefit reads nothing from, with the reason for each.
+std::vector<std::pair<std::string, std::string>> IgnoredHfConfigKeys();
 
 struct DataSpec {
   std::string format;  // "text" or "jsonl"
@@ -57,6 +63,10 @@ struct RunConfig {
   int64_t max_shard_bytes = 5'000'000'000;
   std::optional<at::ScalarType> save_dtype;
 };
+
+// Resolves the model fields alone: family defaults, then every check. What
+// tools that need the shape but no run (moefit plan) call.
+absl::StatusOr<framework::ModelOptions> ResolveModelConfig(const proto::ModelConfig& model);
 
 // Checks every field and resolves the family defaults.
 absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& config);

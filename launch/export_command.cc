@@ -34,18 +34,28 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
   checkpoint::LoadOptions lo;
   lo.first_expert = placement.first_expert(world->rank());
   lo.num_experts = placement.num_local(world->rank());
+  // FP8 block-scaled weights are dequantized (to bfloat16 unless --save_dtype
+  // says otherwise); multi-token-prediction layers are left out.
+  if (run.model.fp8_weight_block) lo.fp8_block = *run.model.fp8_weight_block;
+  lo.dequantized_dtype = options.dtype.value_or(at::kBFloat16);
+  if (run.model.num_nextn_predict_layers > 0) lo.skip_layers_from = run.model.num_hidden_layers;
   checkpoint::LoadReport report;
   MOEFIT_ASSIGN_OR_RETURN(auto tensors,
                           checkpoint::LoadCheckpoint(src, run.model.model_type, lo, &report));
   std::stringstream config_text;
   config_text << std::ifstream(config_path).rdbuf();
   std::string config_json = config_text.str();
-  if (options.dtype.has_value()) {
-    nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
-    if (j.is_object()) {
+  nlohmann::json j = nlohmann::json::parse(config_json, nullptr, /*allow_exceptions=*/false);
+  if (j.is_object()) {
+    // What is written is never quantized: the config must not say it is.
+    const bool was_quantized = j.contains("quantization_config");
+    j.erase("quantization_config");
+    if (options.dtype.has_value()) {
       j["torch_dtype"] = *options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
-      config_json = j.dump(2) + "\n";
+    } else if (was_quantized) {
+      j["torch_dtype"] = "bfloat16";
     }
+    config_json = j.dump(2) + "\n";
   }
 
   framework::HfTensors in;

@@ -63,22 +63,16 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
   const parallel::ProcessGroups& groups = built.groups;
   std::unique_ptr<framework::MoeModel>& model = built.model;
-  int64_t total = 0, expert = 0;
-  for (const framework::Parameter& p : model->parameters()) {
-    total += p.tensor.numel();
-    if (p.expert) expert += p.tensor.numel();
-  }
   const framework::ModelOptions& m = run.model;
-  // Parameters of the whole model: this rank holds num_local of num_experts experts.
+  // Parameters of the whole model (this rank holds only its experts), as
+  // transformers counts them.
+  const framework::ParameterCounts counts = framework::CountParameters(m);
   const int64_t local = model->placement().num_local(groups.expert_parallel->rank());
-  const int64_t per_expert = local > 0 ? expert / local : 0;
-  total += per_expert * (m.num_experts - local);
-  const int64_t active = total - per_expert * (m.num_experts - m.num_experts_per_tok);
   log << absl::StrFormat(
-             "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %.2fM parameters "
-             "(%.2fM active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
+             "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %d parameters "
+             "(%d active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
              m.model_type, m.num_hidden_layers, m.hidden_size, m.num_experts,
-             m.num_experts_per_tok, total / 1e6, active / 1e6,
+             m.num_experts_per_tok, counts.total, counts.active,
              run.runtime.dense_device.str(), run.runtime.expert_backend,
              c10::toString(run.runtime.expert_dtype), data->num_sequences(), run.seq_len)
       << std::endl;

@@ -1,5 +1,6 @@
 // Gating: router logits -> top-k expert ids and routing weights, and the
-// Switch-style load-balancing loss.
+// balance losses: the Switch-style load-balancing loss of softmax routers and
+// DeepSeek-V3's sequence-wise loss of sigmoid routers.
 //
 // Numerics follow the Hugging Face reference (Qwen2-MoE, Qwen3-MoE, Mixtral):
 // softmax in fp32 over all experts, top-k of the probabilities, optional
@@ -30,6 +31,35 @@ struct TopKRouting {
 
 // logits: [N, E] in any floating dtype.
 TopKRouting SoftmaxTopK(const at::Tensor& logits, const SoftmaxTopKOptions& options);
+
+struct SigmoidTopKOptions {
+  int64_t num_experts_per_tok = 1;
+  // Experts are split into n_group equal groups of consecutive ids; a group's
+  // score is the sum of its two best biased scores, and only the topk_group
+  // best groups are eligible. n_group 1: plain top-k.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  // Divide the k kept scores by their sum (+1e-20).
+  bool norm_topk_prob = true;
+  // Multiplies the weights after renormalization.
+  double routed_scaling_factor = 1.0;
+};
+
+// DeepSeek-V3 routing (HF DeepseekV3TopkRouter, Glm4MoeTopkRouter): scores =
+// sigmoid(logits) in fp32; the choice of experts uses scores +
+// correction_bias (a [E] fp32 tensor, or undefined for none), the weights use
+// the unbiased scores. `probs` of the result holds the sigmoid scores.
+TopKRouting SigmoidGroupTopK(const at::Tensor& logits, const at::Tensor& correction_bias,
+                             const SigmoidTopKOptions& options);
+
+// DeepSeek-V3's sequence-wise balance loss, summed over sequences:
+//   sum_s sum_i f_si * P_si,  f_si = E / (k T) * #{t in s : i in topk(t)},
+//   P_si = 1/T sum_t scores_ti / sum_j scores_tj,
+// for `scores` [S*T, E] (sigmoid scores, sequence-major) and `topk_idx` [S*T, k].
+// Divided by the number of sequences and scaled by aux_loss_alpha it is the
+// paper's loss; summing first lets ranks with different sequences add up.
+at::Tensor SequenceBalanceLossSum(const at::Tensor& scores, const at::Tensor& topk_idx,
+                                  int64_t num_sequences);
 
 // Per-expert statistics of one or more routing decisions, the inputs of the
 // balance loss. Sums add across layers and ranks.

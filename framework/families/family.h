@@ -29,14 +29,21 @@ struct ModelFamily {
   // Writes the family-specific keys of config.json (the shared ones are
   // written by framework/hf_io.cc).
   void (*to_hf_config)(const ModelOptions& options, nlohmann::json& config) = nullptr;
+  // Other model_type names of the same architecture (kimi_k2 for deepseek_v3).
+  std::vector<std::string> aliases = {};
 };
+
+// The shared part of a DeepSeek-style MoE config.json (deepseek_v3, glm4_moe):
+// n_routed_experts, shared experts, dense first layers, sigmoid routing.
+void DeepseekMoeFromHfConfig(nlohmann::json& config);
+void DeepseekMoeToHfConfig(const ModelOptions& options, nlohmann::json& config);
 
 // The shared part of a Qwen-MoE config.json (qwen2_moe and qwen3_moe).
 void QwenMoeToHfConfig(const ModelOptions& options, nlohmann::json& config);
 
 // Every registered family, in registration order.
 const std::vector<ModelFamily>& ModelFamilies();
-// nullptr when `model_type` is not registered.
+// nullptr when `model_type` is neither a registered name nor an alias.
 const ModelFamily* FindModelFamily(std::string_view model_type);
 
 }  // namespace moefit::framework

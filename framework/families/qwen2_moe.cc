@@ -20,10 +20,17 @@ ModelFamily Qwen2MoeFamily() {
             o.max_position_embeddings = 32768;
             o.initializer_range = 0.02;
           },
-          /*from_hf_config=*/nullptr,
+          [](nlohmann::json& j) {
+            // transformers v5 names the q/k/v biases qkv_bias in this family.
+            if (j.contains("qkv_bias")) {
+              if (!j.contains("attention_bias")) j["attention_bias"] = j["qkv_bias"];
+              j.erase("qkv_bias");
+            }
+          },
           [](const ModelOptions& o, nlohmann::json& j) {
             QwenMoeToHfConfig(o, j);
             j["shared_expert_intermediate_size"] = o.shared_expert_intermediate_size;
+            j["qkv_bias"] = o.attention_bias;
           }};
 }
 

@@ -3,6 +3,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "framework/families/deepseek_v3.h"
+#include "framework/families/glm4_moe.h"
 #include "framework/families/mixtral.h"
 #include "framework/families/qwen2_moe.h"
 #include "framework/families/qwen3_moe.h"
@@ -14,6 +16,8 @@ const std::vector<ModelFamily>& ModelFamilies() {
       Qwen3MoeFamily(),
       Qwen2MoeFamily(),
       MixtralFamily(),
+      DeepseekV3Family(),
+      Glm4MoeFamily(),
   };
   return families;
 }
@@ -28,9 +32,33 @@ void QwenMoeToHfConfig(const ModelOptions& o, nlohmann::json& j) {
   j["attention_bias"] = o.attention_bias;
 }
 
+void DeepseekMoeFromHfConfig(nlohmann::json& j) {
+  if (j.contains("n_routed_experts")) {
+    if (!j.contains("num_experts")) j["num_experts"] = j["n_routed_experts"];
+    j.erase("n_routed_experts");
+  }
+}
+
+void DeepseekMoeToHfConfig(const ModelOptions& o, nlohmann::json& j) {
+  j.erase("num_experts");
+  j["n_routed_experts"] = o.num_experts;
+  j["n_shared_experts"] = o.n_shared_experts;
+  j["intermediate_size"] = o.intermediate_size;
+  j["moe_intermediate_size"] = o.moe_intermediate_size;
+  j["n_group"] = o.n_group;
+  j["topk_group"] = o.topk_group;
+  j["norm_topk_prob"] = o.norm_topk_prob;
+  j["routed_scaling_factor"] = o.routed_scaling_factor;
+  j["first_k_dense_replace"] = o.first_k_dense_replace;
+  j["num_nextn_predict_layers"] = o.num_nextn_predict_layers;
+}
+
 const ModelFamily* FindModelFamily(std::string_view model_type) {
   for (const ModelFamily& f : ModelFamilies()) {
     if (f.name == model_type) return &f;
+    for (const std::string& alias : f.aliases) {
+      if (alias == model_type) return &f;
+    }
   }
   return nullptr;
 }

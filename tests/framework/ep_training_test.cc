@@ -1,5 +1,7 @@
 // Expert-parallel training equals single-process training over the same
-// global batch. Runs under mpirun -np 2 and -np 4: every rank trains with its
+// global batch, for qwen3_moe and for the sigmoid-routed families (deepseek_v3,
+// glm4_moe: sequence-wise balance loss, correction biases moved from global
+// counts). Runs under mpirun -np 2 and -np 4: every rank trains with its
 // share of each micro-batch and its share of the experts; rank 0 also trains
 // the same model alone (a one-rank communicator, W times the micro-batch) and
 // compares losses and the final parameters (experts gathered from their
@@ -39,12 +41,34 @@ struct Result {
   std::map<std::string, at::Tensor> params;  // full tensors (experts gathered)
 };
 
-launch::RunConfig SmallRun(int64_t micro_batch) {
-  auto c = launch::LoadConfig("", {"train.steps=5", "train.seq_len=64", "model.hidden_size=64",
+// The demo's shape made small, as qwen3_moe or as one of the sigmoid-routed
+// families (with the sequence-wise balance loss on and the correction bias
+// moving fast enough to change routing within the 5 steps).
+std::vector<std::string> FamilySets(const std::string& family) {
+  if (family == "deepseek_v3") {
+    return {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0", "model.q_lora_rank=24",
+            "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
+            "model.v_head_dim=16", "model.n_group=4", "model.topk_group=2",
+            "model.first_k_dense_replace=1", "model.num_hidden_layers=3",
+            "model.aux_loss_alpha=0.01", "router.bias_update_rate=0.01"};
+  }
+  if (family == "glm4_moe") {
+    return {"model.model_type=glm4_moe", "model.router_aux_loss_coef=0",
+            "model.attention_bias=true", "model.use_qk_norm=true", "model.n_group=2",
+            "model.topk_group=1", "model.first_k_dense_replace=1", "model.num_hidden_layers=3",
+            "model.aux_loss_alpha=0.01", "router.bias_update_rate=0.01"};
+  }
+  return {"model.num_hidden_layers=2"};
+}
+
+launch::RunConfig SmallRun(int64_t micro_batch, const std::string& family) {
+  std::vector<std::string> sets = {"train.steps=5", "train.seq_len=64", "model.hidden_size=64",
                                    "model.head_dim=16", "model.moe_intermediate_size=32",
-                                   "model.num_hidden_layers=2", "logging.metrics_file=",
-                                   "schedule.warmup_steps=2", "optimizer.eps=1e-4",
-                                   "train.micro_batch_size=" + std::to_string(micro_batch)});
+                                   "logging.metrics_file=", "schedule.warmup_steps=2",
+                                   "optimizer.eps=1e-4",
+                                   "train.micro_batch_size=" + std::to_string(micro_batch)};
+  for (const std::string& s : FamilySets(family)) sets.push_back(s);
+  auto c = launch::LoadConfig("", sets);
   EXPECT_TRUE(c.ok()) << c.status();
   auto r = launch::ResolveConfig(*c);
   EXPECT_TRUE(r.ok()) << r.status();
@@ -68,7 +92,7 @@ Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> worl
   // Gather each expert tensor from the owners of its experts, in rank order.
   parallel::Communicator& ep = *groups->expert_parallel;
   const router::ExpertPlacement& placement = (*model)->placement();
-  for (const Parameter& p : (*model)->parameters()) {
+  for (const Parameter& p : (*model)->named_tensors()) {
     at::Tensor t = p.tensor.detach();
     if (p.expert && ep.size() > 1) {
       std::vector<int64_t> rows;
@@ -87,6 +111,7 @@ Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> worl
 struct EpCase {
   std::string dispatcher;
   int ep_size;  // 0 = world
+  std::string family = "qwen3_moe";
 };
 
 class EpEqualsSingleProcess : public ::testing::TestWithParam<EpCase> {};
@@ -98,10 +123,10 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     GTEST_SKIP() << "ep_size " << c.ep_size << " does not fit " << world->size() << " ranks";
   }
   constexpr int64_t kMicro = 2;
-  Result multi = Train(SmallRun(kMicro), world, c.ep_size, c.dispatcher);
+  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher);
   if (world->rank() != 0) return;
-  Result single =
-      Train(SmallRun(kMicro * world->size()), parallel::LocalCommunicator::Create(), 0, "alltoall");
+  Result single = Train(SmallRun(kMicro * world->size(), c.family),
+                        parallel::LocalCommunicator::Create(), 0, "alltoall");
   ASSERT_EQ(multi.steps.size(), single.steps.size());
   for (size_t i = 0; i < single.steps.size(); ++i) {
     EXPECT_NEAR(multi.steps[i].loss, single.steps[i].loss, 1e-5 * single.steps[i].loss) << "step " << i;
@@ -109,6 +134,13 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     EXPECT_NEAR(multi.steps[i].grad_norm, single.steps[i].grad_norm, 1e-4 * single.steps[i].grad_norm);
     EXPECT_EQ(multi.steps[i].moe_layers[0].tokens_per_expert,
               single.steps[i].moe_layers[0].tokens_per_expert);
+  }
+  if (c.family != "qwen3_moe") {
+    // The correction biases moved, alike on every rank (they are compared below).
+    const std::string bias = "model.layers.1.mlp.gate.e_score_correction_bias";
+    ASSERT_TRUE(single.params.count(bias));
+    EXPECT_GT(single.params[bias].abs().max().item<double>(), 0.005);
+    EXPECT_GT(single.steps.back().aux_loss, 0.5);  // the sequence-wise loss is on
   }
   double worst = 0;
   std::string worst_name;
@@ -125,9 +157,12 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
 
 INSTANTIATE_TEST_SUITE_P(All, EpEqualsSingleProcess,
                          ::testing::Values(EpCase{"alltoall", 0}, EpCase{"allgather", 0},
-                                           EpCase{"alltoall", 2}),
+                                           EpCase{"alltoall", 2},
+                                           EpCase{"alltoall", 0, "deepseek_v3"},
+                                           EpCase{"alltoall", 0, "glm4_moe"}),
                          [](const auto& info) {
-                           return info.param.dispatcher + "_ep" + std::to_string(info.param.ep_size);
+                           return info.param.family + "_" + info.param.dispatcher + "_ep" +
+                                  std::to_string(info.param.ep_size);
                          });
 
 }  // namespace

@@ -142,6 +142,173 @@ TEST(Config, FamiliesFromConfigJsonAlone) {
   EXPECT_EQ(r->model.head_dim, 8);
 }
 
+// DeepSeek-V3's config.json as published (shrunk): old-style rope_scaling,
+// FP8 quantization_config, n_routed_experts, remote-code keys; and the same
+// architecture under Kimi-K2's model_type.
+constexpr char kDeepseekJson[] = R"({
+  "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "auto_map": {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}, "aux_loss_alpha": 0.001,
+  "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 1,
+  "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96,
+  "kv_lora_rank": 16, "max_position_embeddings": 1024, "model_type": "MODEL_TYPE",
+  "moe_intermediate_size": 32, "moe_layer_freq": 1, "n_group": 4, "n_routed_experts": 16,
+  "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 4,
+  "num_experts_per_tok": 4, "num_hidden_layers": 3, "num_key_value_heads": 4,
+  "num_nextn_predict_layers": 1, "q_lora_rank": Q_LORA, "qk_nope_head_dim": 16,
+  "qk_rope_head_dim": 8,
+  "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                          "weight_block_size": [128, 128]},
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                   "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096, "type": "yarn"},
+  "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": true,
+  "tie_word_embeddings": false, "topk_group": 2, "topk_method": "noaux_tc",
+  "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true,
+  "v_head_dim": 16, "vocab_size": 300})";
+
+std::string DeepseekJson(const std::string& name, const std::string& model_type,
+                         const std::string& q_lora) {
+  std::string text = kDeepseekJson;
+  text.replace(text.find("MODEL_TYPE"), 10, model_type);
+  text.replace(text.find("Q_LORA"), 6, q_lora);
+  return WriteTemp(name, text);
+}
+
+TEST(Config, DeepseekV3AndKimiK2ConfigJson) {
+  for (const std::string model_type : {"deepseek_v3", "kimi_k2"}) {
+    absl::StatusOr<RunConfig> r =
+        Resolve("", {"model.config_json=" + DeepseekJson("ds.json", model_type, "24")});
+    ASSERT_TRUE(r.ok()) << r.status();
+    const framework::ModelOptions& m = r->model;
+    EXPECT_EQ(m.model_type, "deepseek_v3");
+    EXPECT_EQ(m.hf_model_type, model_type == "kimi_k2" ? "kimi_k2" : "");
+    EXPECT_EQ(m.attention, framework::AttentionKind::kMla);
+    EXPECT_EQ(m.num_experts, 16);
+    EXPECT_EQ(m.q_lora_rank, 24);
+    EXPECT_EQ(m.qk_head_dim(), 24);
+    EXPECT_EQ(m.scoring, framework::RouterScoring::kSigmoid);
+    EXPECT_TRUE(m.correction_bias);
+    EXPECT_EQ(m.n_group, 4);
+    EXPECT_EQ(m.topk_group, 2);
+    EXPECT_DOUBLE_EQ(m.routed_scaling_factor, 2.5);
+    EXPECT_EQ(m.n_shared_experts, 1);
+    EXPECT_FALSE(m.IsMoeLayer(0));
+    EXPECT_TRUE(m.IsMoeLayer(1));
+    EXPECT_DOUBLE_EQ(m.aux_loss_alpha, 0.001);
+    EXPECT_DOUBLE_EQ(m.router_aux_loss_coef, 0.0);
+    EXPECT_EQ(m.num_nextn_predict_layers, 1);
+    EXPECT_EQ(m.rope_scaling.type, "yarn");
+    EXPECT_DOUBLE_EQ(m.rope_scaling.factor, 40);
+    EXPECT_EQ(m.rope_scaling.original_max_position_embeddings, 4096);
+    EXPECT_DOUBLE_EQ(m.rope_scaling.mscale_all_dim, 1.0);
+    ASSERT_TRUE(m.fp8_weight_block.has_value());
+    EXPECT_EQ((*m.fp8_weight_block)[0], 128);
+  }
+  // "q_lora_rank": null is no query compression, not the family default.
+  absl::StatusOr<RunConfig> r =
+      Resolve("", {"model.config_json=" + DeepseekJson("ds0.json", "deepseek_v3", "null")});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model.q_lora_rank, 0);
+}
+
+TEST(Config, Glm4MoeConfigJsonWithRopeParameters) {
+  // transformers v5 layout: rope_theta and partial_rotary_factor under rope_parameters.
+  const std::string json = WriteTemp("glm.json", R"({
+    "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": true,
+    "attention_dropout": 0.0, "first_k_dense_replace": 1, "head_dim": 16, "hidden_act": "silu",
+    "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 1024,
+    "moe_intermediate_size": 32, "n_group": 1, "n_routed_experts": 8, "n_shared_experts": 1,
+    "norm_topk_prob": true, "num_attention_heads": 4, "num_experts_per_tok": 2,
+    "num_hidden_layers": 3, "num_key_value_heads": 2, "num_nextn_predict_layers": 1,
+    "rms_norm_eps": 1e-05, "routed_scaling_factor": 2.5, "topk_group": 1, "use_qk_norm": true,
+    "rope_parameters": {"partial_rotary_factor": 0.5, "rope_theta": 1000000.0, "rope_type": "default"},
+    "tie_word_embeddings": false, "vocab_size": 300, "dtype": "bfloat16"})");
+  absl::StatusOr<RunConfig> r = Resolve("", {"model.config_json=" + json});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->model.model_type, "glm4_moe");
+  EXPECT_DOUBLE_EQ(r->model.partial_rotary_factor, 0.5);
+  EXPECT_EQ(r->model.rotary_dim(), 8);
+  EXPECT_DOUBLE_EQ(r->model.rope_theta, 1e6);
+  EXPECT_TRUE(r->model.qk_norm);
+  EXPECT_TRUE(r->model.attention_bias);
+  EXPECT_EQ(r->model.scoring, framework::RouterScoring::kSigmoid);
+  EXPECT_EQ(r->model.rope_scaling.type, "default");
+}
+
+// The DeepSeek-V3 config.json above with one piece of text replaced.
+std::string DeepseekJsonWith(const std::string& name, const std::string& from,
+                             const std::string& to) {
+  std::string text = kDeepseekJson;
+  text.replace(text.find("MODEL_TYPE"), 10, "deepseek_v3");
+  text.replace(text.find("Q_LORA"), 6, "24");
+  text.replace(text.find(from), from.size(), to);
+  return WriteTemp(name, text);
+}
+
+TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
+  std::string path = DeepseekJsonWith("k1.json", R"("ep_size": 1)", R"("attn_logit_softcapping": 30.0)");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            path + ": key \"attn_logit_softcapping\" = 30.0 is not read by moefit (neither a model "
+                   "field nor on the documented ignore list); remove it if it does not change the "
+                   "model");
+  path = DeepseekJsonWith("k2.json", R"("silu")", R"("gelu")");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            path + ": hidden_act = \"gelu\" is not supported: moefit's MLPs and experts are "
+                   "SwiGLU (silu)");
+  path = DeepseekJsonWith("k3.json", R"("type": "yarn")", R"("type": "llama3")");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            "model.rope_scaling type 'llama3' is not implemented by moefit (default or yarn)");
+  path = DeepseekJsonWith("k4.json", R"("quant_method": "fp8")", R"("quant_method": "gptq")");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            "model.quantization_config.quant_method = 'gptq' is not supported (moefit reads fp8 "
+            "block-scaled checkpoints)");
+  path = DeepseekJsonWith("k6.json", R"("seq_aux": true)", R"("seq_aux": false)");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            "model.seq_aux = false: moefit implements only the sequence-wise balance loss of "
+            "aux_loss_alpha");
+  path = WriteTemp("k5.json", R"({"model_type": "mixtral", "sliding_window": 4096})");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
+            path + ": sliding_window = 4096 is not supported: moefit has no sliding-window "
+                   "attention (set it to null)");
+}
+
+TEST(ConfigErrors, RouterSettings) {
+  const std::vector<std::string> ds = {"model.model_type=deepseek_v3", "model.q_lora_rank=16",
+                                       "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+                                       "model.qk_rope_head_dim=8", "model.v_head_dim=8",
+                                       "model.n_group=4", "model.topk_group=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> all = ds;
+    all.insert(all.end(), extra.begin(), extra.end());
+    return all;
+  };
+  // The demo sets router_aux_loss_coef 0.01: a Switch loss needs softmax scores.
+  EXPECT_EQ(ErrorOf("", ds),
+            "model.router_aux_loss_coef: the Switch balance loss needs softmax scores; sigmoid "
+            "routers use model.aux_loss_alpha (sequence-wise) and the correction bias");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=3"})),
+            "model.num_experts = 8 is not divisible by model.n_group = 3");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=8",
+                              "model.topk_group=1"})),
+            "model.n_group = 8 leaves 1 expert per group; a group's score is its best two experts");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=4",
+                              "model.topk_group=5"})),
+            "model.topk_group = 5 exceeds model.n_group = 4");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=4",
+                              "model.topk_group=1", "model.num_experts_per_tok=3"})),
+            "model.num_experts_per_tok = 3 exceeds the 2 experts of the model.topk_group = 1 "
+            "groups a token may use");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.scoring_func=softmax"})),
+            "model.topk_method = 'noaux_tc' needs model.scoring_func = 'sigmoid'");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.qk_rope_head_dim=7"})),
+            "model.qk_rope_head_dim = 7 must be even (rotary embedding)");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "router.bias_update_rate=-1"})),
+            "router.bias_update_rate = -1 must be >= 0");
+  EXPECT_EQ(ErrorOf("", {"model.partial_rotary_factor=0.3"}),
+            "model.head_dim = 32 with partial_rotary_factor 0.3 gives 9 rotary dims; they must be "
+            "even and positive");
+}
+
 TEST(ConfigErrors, UnknownFieldInFile) {
   const std::string path = WriteTemp("bad1.pbtxt", "train {\n  stepz: 3\n}\n");
   EXPECT_EQ(ErrorOf(path, {}),
@@ -188,7 +355,7 @@ TEST(ConfigErrors, InconsistentShapes) {
             "model.mlp_only_layers holds 7, outside [0, 4)");
   EXPECT_EQ(ErrorOf("", {"model.model_type=llama"}),
             "model.model_type = 'llama' is not a supported family (supported: qwen3_moe, "
-            "qwen2_moe, mixtral)");
+            "qwen2_moe, mixtral, deepseek_v3, glm4_moe)");
   EXPECT_EQ(ErrorOf("", {"model.vocab_size=100"}),
             "model.vocab_size = 100 is smaller than the byte tokenizer's 256 tokens "
             "(data.format = text)");

@@ -1,0 +1,166 @@
+// GQA and multi-head latent attention, rotary tables; see attention.h.
+#include "framework/attention.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace moefit::framework {
+namespace {
+
+// HF's DeepseekV3RMSNorm on the compressed q and kv uses its default epsilon,
+// not rms_norm_eps.
+constexpr double kLatentNormEps = 1e-6;
+
+at::Tensor RotateHalf(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+// RoPE on the last dim of x (its size is the tables' rotary_dim). Interleaved:
+// the rotated pairs are (x0, x1), (x2, x3), ... and the result lists the
+// first members then the second ones, as HF's apply_rotary_pos_emb_interleave.
+at::Tensor Rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                  bool interleaved) {
+  if (!interleaved) return x * cos + RotateHalf(x) * sin;
+  const int64_t half = cos.size(-1) / 2;
+  at::Tensor c = cos.narrow(-1, 0, half), s = sin.narrow(-1, 0, half);
+  at::Tensor x1 = x.slice(-1, 0, x.size(-1), 2), x2 = x.slice(-1, 1, x.size(-1), 2);
+  return at::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
+}
+
+// RoPE on the first rotary_dim dims of x, the rest passed through (GQA).
+at::Tensor RotatePartial(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t rotary_dim = cos.size(-1);
+  if (rotary_dim == x.size(-1)) return Rotate(x, cos, sin, /*interleaved=*/false);
+  return at::cat({Rotate(x.narrow(-1, 0, rotary_dim), cos, sin, /*interleaved=*/false),
+                  x.narrow(-1, rotary_dim, x.size(-1) - rotary_dim)},
+                 -1);
+}
+
+// YaRN's magnitude correction 0.1 * m * ln(s) + 1 (1 for s <= 1).
+double YarnMscale(double scale, double m) {
+  return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+}
+
+}  // namespace
+
+at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::promote_types(x.scalar_type(), at::kFloat));
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * normed.to(x.scalar_type());
+}
+
+RotaryTables ComputeRotaryTables(const ModelOptions& o, int64_t num_positions, c10::Device device) {
+  const int64_t dim = o.rotary_dim();
+  const at::TensorOptions f32 = at::TensorOptions(device).dtype(at::kFloat);
+  // inv_freq = theta^(-2i/d), computed as transformers does (fp32 pow).
+  at::Tensor exponents =
+      at::arange(0, dim, 2, at::TensorOptions(device).dtype(at::kLong)).to(at::kFloat) /
+      static_cast<double>(dim);
+  at::Tensor pos_freqs = at::pow(o.rope_theta, exponents);
+  at::Tensor inv_freq = 1.0 / pos_freqs;
+  double attention_factor = 1.0;
+  RotaryTables out;
+  out.softmax_scale = 1.0 / std::sqrt(static_cast<double>(o.qk_head_dim()));
+  const RopeScaling& r = o.rope_scaling;
+  if (r.type == "yarn") {
+    // Frequencies below beta_slow rotations over the original context are
+    // interpolated (divided by factor), those above beta_fast kept, with a
+    // linear ramp between.
+    const double base = o.rope_theta;
+    const double orig = static_cast<double>(r.original_max_position_embeddings);
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(dim) * std::log(orig / (rotations * 2 * M_PI)) /
+             (2 * std::log(base));
+    };
+    double low = correction_dim(r.beta_fast), high = correction_dim(r.beta_slow);
+    if (r.truncate) {
+      low = std::floor(low);
+      high = std::ceil(high);
+    }
+    low = std::max(low, 0.0);
+    high = std::min(high, static_cast<double>(dim - 1));
+    if (low == high) high += 0.001;
+    at::Tensor ramp = at::clamp((at::arange(dim / 2, f32) - low) / (high - low), 0, 1);
+    at::Tensor extrapolation = 1 - ramp;
+    at::Tensor interpolated = 1.0 / (r.factor * pos_freqs);
+    inv_freq = interpolated * (1 - extrapolation) + inv_freq * extrapolation;
+    if (r.attention_factor) {
+      attention_factor = *r.attention_factor;
+    } else if (r.mscale != 0 && r.mscale_all_dim != 0) {
+      attention_factor = YarnMscale(r.factor, r.mscale) / YarnMscale(r.factor, r.mscale_all_dim);
+    } else {
+      attention_factor = YarnMscale(r.factor, 1.0);
+    }
+    // DeepSeek's attention also scales the logits by mscale_all_dim's
+    // correction squared (HF yarn_apply_mscale).
+    if (o.attention == AttentionKind::kMla && r.mscale_all_dim != 0) {
+      const double m = YarnMscale(r.factor, r.mscale_all_dim);
+      out.softmax_scale *= m * m;
+    }
+  }
+  at::Tensor freqs = at::outer(at::arange(num_positions, f32), inv_freq);
+  at::Tensor emb = at::cat({freqs, freqs}, -1);
+  out.cos = emb.cos() * attention_factor;
+  out.sin = emb.sin() * attention_factor;
+  return out;
+}
+
+at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Tensor& x,
+                        const RotaryTables& rope) {
+  const int64_t b = x.size(0), t = x.size(1), hd = o.head_dim;
+  auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, int64_t n) {
+    return at::linear(x, proj, bias).view({b, t, n, hd});
+  };
+  at::Tensor q = heads(w.q_proj, w.q_bias, o.num_attention_heads);
+  at::Tensor k = heads(w.k_proj, w.k_bias, o.num_key_value_heads);
+  at::Tensor v = heads(w.v_proj, w.v_bias, o.num_key_value_heads).transpose(1, 2);
+  if (o.qk_norm) {
+    q = RmsNorm(q, w.q_norm, o.rms_norm_eps);
+    k = RmsNorm(k, w.k_norm, o.rms_norm_eps);
+  }
+  q = RotatePartial(q.transpose(1, 2), rope.cos, rope.sin);  // [B, heads, T, hd]
+  k = RotatePartial(k.transpose(1, 2), rope.cos, rope.sin);
+  const int64_t groups = o.num_attention_heads / o.num_key_value_heads;
+  if (groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  at::Tensor attn = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                     /*is_causal=*/true, rope.softmax_scale);
+  return at::linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), w.o_proj);
+}
+
+// Queries from x (optionally through the q_a -> norm -> q_b bottleneck), keys
+// and values expanded per head from one normalized latent of kv_lora_rank
+// dims, plus a single rotary key of qk_rope_head_dim dims shared by all heads.
+at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const at::Tensor& x,
+                           const RotaryTables& rope) {
+  const int64_t b = x.size(0), t = x.size(1), heads = o.num_attention_heads;
+  const int64_t nope = o.qk_nope_head_dim, rope_dim = o.qk_rope_head_dim;
+  at::Tensor q =
+      o.q_lora_rank > 0
+          ? at::linear(RmsNorm(at::linear(x, w.q_a_proj), w.q_a_norm, kLatentNormEps), w.q_b_proj)
+          : at::linear(x, w.q_proj);
+  q = q.view({b, t, heads, nope + rope_dim}).transpose(1, 2);  // [B, heads, T, nope + rope]
+  at::Tensor compressed = at::linear(x, w.kv_a_proj);          // [B, T, kv_lora_rank + rope]
+  at::Tensor latent =
+      RmsNorm(compressed.narrow(-1, 0, o.kv_lora_rank), w.kv_a_norm, kLatentNormEps);
+  at::Tensor k_rot = compressed.narrow(-1, o.kv_lora_rank, rope_dim).view({b, 1, t, rope_dim});
+  at::Tensor q_rot = Rotate(q.narrow(-1, nope, rope_dim), rope.cos, rope.sin, o.rope_interleave);
+  k_rot = Rotate(k_rot, rope.cos, rope.sin, o.rope_interleave);
+  at::Tensor query = at::cat({q.narrow(-1, 0, nope), q_rot}, -1);
+  at::Tensor kv = at::linear(latent, w.kv_b_proj)
+                      .view({b, t, heads, nope + o.v_head_dim})
+                      .transpose(1, 2);  // [B, heads, T, nope + v]
+  at::Tensor key = at::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, heads, t, rope_dim})}, -1);
+  at::Tensor value = kv.narrow(-1, nope, o.v_head_dim);
+  at::Tensor attn =
+      at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{},
+                                       /*dropout_p=*/0.0, /*is_causal=*/true, rope.softmax_scale);
+  return at::linear(attn.transpose(1, 2).reshape({b, t, heads * o.v_head_dim}), w.o_proj);
+}
+
+}  // namespace moefit::framework

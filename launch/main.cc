@@ -1,8 +1,9 @@
 // The `moefit` command line: a small subcommand dispatcher; each command's
 // flags are Abseil flags (`--save-logits` and `--save_logits` both work).
 // Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, data,
-// checkpoint), each with one message naming what was wrong. Under mpirun every
-// command runs collectively, and any rank's failure ends every rank.
+// checkpoint), each with one message naming what was wrong; `plan` exits 3
+// when the model does not fit the cluster. Under mpirun every command runs
+// collectively, and any rank's failure ends every rank.
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
@@ -28,6 +29,7 @@
 #include "launch/eval_command.h"
 #include "launch/export_command.h"
 #include "launch/inspect_command.h"
+#include "launch/plan_command.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
@@ -41,6 +43,18 @@ ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids 
 ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
 ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export: largest shard in bytes");
 ABSL_FLAG(std::string, save_dtype, "", "export: dtype of the written weights (float32, bfloat16)");
+// plan: the cluster and the run; the four sizes of the cluster are required (0 = not given).
+ABSL_FLAG(std::string, model, "", "plan: HF config.json of the model");
+ABSL_FLAG(int64_t, nodes, 0, "plan: number of nodes");
+ABSL_FLAG(double, ram_gb, 0, "plan: host RAM per node, GiB");
+ABSL_FLAG(int64_t, gpus_per_node, 0, "plan: GPUs per node");
+ABSL_FLAG(double, gpu_gb, 0, "plan: memory per GPU, GiB");
+ABSL_FLAG(std::string, mode, "full", "plan: full (train every weight) or lora (adapters only)");
+ABSL_FLAG(int64_t, lora_rank, 16, "plan: LoRA rank");
+ABSL_FLAG(std::string, expert_dtype, "bf16", "plan: routed experts' dtype: fp32, bf16 or fp8");
+ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
+ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
+ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
 
 namespace moefit::launch {
 namespace {
@@ -48,6 +62,7 @@ namespace {
 constexpr int kExitOk = 0;
 constexpr int kExitFailure = 1;
 constexpr int kExitBadInput = 2;
+constexpr int kExitDoesNotFit = 3;  // plan
 
 std::string Usage() {
   std::vector<std::string> families;
@@ -74,6 +89,19 @@ std::string Usage() {
          "  export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype float32|bfloat16]\n"
          "      Rewrite a model directory in the standard Hugging Face layout (per-expert\n"
          "      tensors, sharded safetensors, index), from any layout its family reads.\n"
+         "  plan --model CONFIG_JSON --nodes N --ram-gb R --gpus-per-node G --gpu-gb M\n"
+         "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8]\n"
+         "       [--seq-len T] [--micro-batch B] [--json]\n"
+         "      Whether the model of an HF config.json trains on N nodes of R GiB RAM and\n"
+         "      G GPUs of M GiB each (experts in host RAM, num_experts/N per node; the dense\n"
+         "      part replicated on every GPU, B x T tokens each), without building it: host\n"
+         "      RAM per node (expert weights, gradients, AdamW m and v, LoRA adapters,\n"
+         "      activations: T*B*G*top_k rows x MoE layers x (hidden + 2*moe_intermediate)\n"
+         "      elements), memory per GPU, all-to-all bytes per node and micro-batch\n"
+         "      (4 x MoE layers x (N-1)/N x rows x hidden elements), total and active\n"
+         "      parameters, the smallest node count that fits, and its assumptions.\n"
+         "      Defaults: full, rank 16, bf16, T 4096, B 1. fp8 experts need --mode lora.\n"
+         "      Exit 0 fits, 3 does not fit, 2 bad input.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -88,7 +116,7 @@ std::string Usage() {
          absl::StrJoin(parallel::DispatcherNames(), ", ") +
          ").\n"
          "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process.\n"
-         "exit codes: 0 ok, 1 runtime failure, 2 bad input.\n";
+         "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan).\n";
 }
 
 bool LaunchedByMpirun() {
@@ -212,6 +240,59 @@ std::variant<RunConfig, int> LoadRun(const Args& args, const char* cmd) {
   return *std::move(run);
 }
 
+// plan: the flags into PlanInputs, then RunPlan; 0 fits, 3 does not.
+int PlanCommand(const Args& args) {
+  if (!args.positional.empty()) {
+    std::cerr << "moefit: plan takes no positional argument, got '" << args.positional[0]
+              << "' (the model is --model CONFIG_JSON)" << std::endl;
+    return kExitBadInput;
+  }
+  PlanInputs in;
+  in.nodes = absl::GetFlag(FLAGS_nodes);
+  in.ram_gib = absl::GetFlag(FLAGS_ram_gb);
+  in.gpus_per_node = absl::GetFlag(FLAGS_gpus_per_node);
+  in.gpu_gib = absl::GetFlag(FLAGS_gpu_gb);
+  in.lora_rank = absl::GetFlag(FLAGS_lora_rank);
+  in.seq_len = absl::GetFlag(FLAGS_seq_len);
+  in.micro_batch = absl::GetFlag(FLAGS_micro_batch);
+  for (const auto& [flag, given] : std::vector<std::pair<const char*, bool>>{
+           {"--model CONFIG_JSON", !absl::GetFlag(FLAGS_model).empty()},
+           {"--nodes N", in.nodes != 0},
+           {"--ram-gb R", in.ram_gib != 0},
+           {"--gpus-per-node G", in.gpus_per_node != 0},
+           {"--gpu-gb M", in.gpu_gib != 0}}) {
+    if (!given) {
+      std::cerr << "moefit: plan needs " << flag << " (see moefit --help)" << std::endl;
+      return kExitBadInput;
+    }
+  }
+  const std::string mode = absl::GetFlag(FLAGS_mode);
+  if (mode == "full") {
+    in.mode = PlanMode::kFull;
+  } else if (mode == "lora") {
+    in.mode = PlanMode::kLora;
+  } else {
+    std::cerr << "moefit: --mode = '" << mode << "' must be full or lora" << std::endl;
+    return kExitBadInput;
+  }
+  const std::string dtype = absl::GetFlag(FLAGS_expert_dtype);
+  if (dtype == "fp32") {
+    in.expert_dtype = PlanDtype::kFp32;
+  } else if (dtype == "bf16") {
+    in.expert_dtype = PlanDtype::kBf16;
+  } else if (dtype == "fp8") {
+    in.expert_dtype = PlanDtype::kFp8;
+  } else {
+    std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16 or fp8"
+              << std::endl;
+    return kExitBadInput;
+  }
+  absl::StatusOr<bool> fits =
+      RunPlan(absl::GetFlag(FLAGS_model), in, absl::GetFlag(FLAGS_json), std::cout);
+  if (!fits.ok()) return Fail(fits.status());
+  return *fits ? kExitOk : kExitDoesNotFit;
+}
+
 int Main(int argc, char** argv) {
   if (const char* t = std::getenv("MOEFIT_NUM_THREADS"); t != nullptr && std::atoi(t) > 0) {
     at::set_num_threads(std::atoi(t));
@@ -234,6 +315,9 @@ int Main(int argc, char** argv) {
       {"eval", {"set", "print_config", "eval_sequences", "save_logits", "input_ids"}},
       {"inspect", {}},
       {"export", {"max_shard_bytes", "save_dtype"}},
+      {"plan",
+       {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
+        "seq_len", "micro_batch", "json"}},
   };
   auto it = flags.find(cmd);
   if (it == flags.end()) {
@@ -266,6 +350,7 @@ int Main(int argc, char** argv) {
     absl::Status s = RunInspect(args.positional[0], std::cout);
     return s.ok() ? kExitOk : Fail(s);
   }
+  if (cmd == "plan") return PlanCommand(args);
   // export
   if (args.positional.size() != 2) {
     std::cerr << "moefit: usage: moefit export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype D]"

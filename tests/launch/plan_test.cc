@@ -1,0 +1,216 @@
+// The memory formulas of `moefit plan`, each checked against a hand
+// computation on a toy model small enough to redo on paper; the node-count
+// search; and the input checks. The shipped full-size configs are checked
+// against transformers in tests/interop/test_plan.py.
+#include <gtest/gtest.h>
+
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "launch/plan_command.h"
+
+namespace moefit::launch {
+namespace {
+
+constexpr int64_t kGiB = int64_t{1} << 30;
+
+// H 64, experts of width 32, 10 experts top-2, 3 layers of which layer 1 is a
+// dense MLP of width 96; GQA 4 heads x 16, 2 KV heads; vocab 300.
+framework::ModelOptions Toy() {
+  framework::ModelOptions o;
+  o.model_type = "qwen3_moe";
+  o.vocab_size = 300;
+  o.hidden_size = 64;
+  o.intermediate_size = 96;
+  o.moe_intermediate_size = 32;
+  o.num_hidden_layers = 3;
+  o.num_attention_heads = 4;
+  o.num_key_value_heads = 2;
+  o.head_dim = 16;
+  o.num_experts = 10;
+  o.num_experts_per_tok = 2;
+  o.mlp_only_layers = {1};
+  o.qk_norm = true;
+  return o;
+}
+
+PlanInputs Cluster(PlanMode mode, PlanDtype dtype) {
+  PlanInputs in;
+  in.nodes = 4;
+  in.ram_gib = 64;
+  in.gpus_per_node = 2;
+  in.gpu_gib = 16;
+  in.mode = mode;
+  in.expert_dtype = dtype;
+  in.lora_rank = 4;
+  in.seq_len = 8;
+  in.micro_batch = 1;
+  return in;
+}
+
+TEST(Plan, FullModeByHand) {
+  const framework::ModelOptions o = Toy();
+  const Plan p = ComputePlan(o, Cluster(PlanMode::kFull, PlanDtype::kBf16));
+  ASSERT_EQ(p.params.num_moe_layers, 2);
+  ASSERT_EQ(p.params.per_expert, 3 * 64 * 32);
+  // ceil(10 / 4) = 3 experts of each of the 2 MoE layers on the largest node.
+  EXPECT_EQ(p.ram.experts_per_layer, 3);
+  const int64_t slots = 3 * 2;
+  EXPECT_EQ(p.ram.expert_weights, slots * 6144 * 2);
+  EXPECT_EQ(p.ram.expert_grads, slots * 6144 * 2);
+  EXPECT_EQ(p.ram.expert_optimizer, 2 * slots * 6144 * 2);
+  EXPECT_EQ(p.ram.lora, 0);
+  // 2 GPUs x 1 x 8 tokens per node, each picking 2 experts: 32 rows per MoE
+  // layer, each keeping H + 2I = 128 bf16 elements.
+  EXPECT_EQ(p.tokens_per_node, 16);
+  EXPECT_EQ(p.rows_per_node, 32);
+  EXPECT_EQ(p.ram.activations, 2 * 32 * 128 * 2);
+  EXPECT_EQ(p.ram.reserve, 32 * kGiB);
+  EXPECT_EQ(p.ram.total, p.ram.expert_weights * 4 + p.ram.activations + p.ram.reserve);
+
+  // Dense part in fp32 with gradients and AdamW m, v.
+  EXPECT_EQ(p.gpu.dense_weights, p.params.dense * 4);
+  EXPECT_EQ(p.gpu.dense_grads, p.params.dense * 4);
+  EXPECT_EQ(p.gpu.dense_optimizer, p.params.dense * 8);
+  // Floats per token: attention 2*64 + (64 + 32 + 32 + 64) + 64 = 384 per
+  // layer; MoE MLP 2*64 + 10 + 2*64 = 266, dense MLP 2*64 + 3*96 = 416; final
+  // norm 64 and logits with their gradient 2*300.
+  const int64_t floats = 3 * 384 + 2 * 266 + 416 + 64 + 600;
+  EXPECT_EQ(p.gpu.activations, 8 * floats * 4);
+  EXPECT_EQ(p.gpu.reserve, 4 * kGiB);
+
+  // 4 exchanges x 2 layers x 3/4 of 32 rows x 64 elements x 2 bytes.
+  EXPECT_EQ(p.alltoall_bytes_per_node, 4 * 2 * (32 * 64 * 2 * 3 / 4));
+  EXPECT_EQ(p.trainable_params, p.params.total);
+  EXPECT_TRUE(p.fits);
+  EXPECT_EQ(p.min_nodes, 1);
+}
+
+TEST(Plan, LoraFp8ByHand) {
+  const framework::ModelOptions o = Toy();
+  const Plan p = ComputePlan(o, Cluster(PlanMode::kLora, PlanDtype::kFp8));
+  // 1 byte per weight + an fp32 scale per 128x128 block of each of the three
+  // matrices (one block each here).
+  EXPECT_EQ(p.ram.expert_weights, 6 * (6144 + 3 * 4));
+  EXPECT_EQ(p.ram.expert_grads, 0);
+  EXPECT_EQ(p.ram.expert_optimizer, 0);
+  // Rank 4 on gate, up (64 -> 32) and down (32 -> 64): 3 * 4 * 96 parameters
+  // per expert, 16 bytes each.
+  EXPECT_EQ(p.lora_params_per_expert, 3 * 4 * 96);
+  EXPECT_EQ(p.ram.lora, 6 * 1152 * 16);
+  // fp8 experts compute in bf16.
+  EXPECT_EQ(p.ram.activations, 2 * 32 * 128 * 2);
+  // Frozen bf16 dense part; rank 4 on q (64 -> 64), k, v (64 -> 32), o (64 -> 64) of 3 layers.
+  EXPECT_EQ(p.gpu.dense_weights, p.params.dense * 2);
+  EXPECT_EQ(p.gpu.dense_grads + p.gpu.dense_optimizer, 0);
+  EXPECT_EQ(p.lora_params_attention, 3 * 4 * (128 + 96 + 96 + 128));
+  EXPECT_EQ(p.gpu.lora, p.lora_params_attention * 16);
+  EXPECT_EQ(p.trainable_params, 2 * 10 * 1152 + p.lora_params_attention);
+}
+
+TEST(Plan, MlaAttentionAdapters) {
+  framework::ModelOptions o = Toy();
+  o.attention = framework::AttentionKind::kMla;
+  o.q_lora_rank = 24;
+  o.kv_lora_rank = 16;
+  o.qk_nope_head_dim = 8;
+  o.qk_rope_head_dim = 4;
+  o.v_head_dim = 8;
+  PlanInputs in = Cluster(PlanMode::kLora, PlanDtype::kBf16);
+  in.lora_rank = 2;
+  const Plan p = ComputePlan(o, in);
+  // q_a 64 -> 24, q_b 24 -> 4*12, kv_a 64 -> 16+4, kv_b 16 -> 4*(8+8), o 4*8 -> 64.
+  const int64_t per_layer = 2 * ((64 + 24) + (24 + 48) + (64 + 20) + (16 + 64) + (32 + 64));
+  EXPECT_EQ(p.lora_params_attention, 3 * per_layer);
+  // Without query compression, one q_proj 64 -> 48 instead of q_a and q_b.
+  o.q_lora_rank = 0;
+  EXPECT_EQ(ComputePlan(o, in).lora_params_attention,
+            3 * 2 * ((64 + 48) + (64 + 20) + (16 + 64) + (32 + 64)));
+}
+
+TEST(Plan, UnevenPlacementSizesTheLargestNode) {
+  framework::ModelOptions o = Toy();
+  for (auto [nodes, largest] : std::vector<std::pair<int64_t, int64_t>>{
+           {1, 10}, {3, 4}, {5, 2}, {6, 2}, {10, 1}, {16, 1}}) {
+    PlanInputs in = Cluster(PlanMode::kFull, PlanDtype::kFp32);
+    in.nodes = nodes;
+    EXPECT_EQ(ComputePlan(o, in).ram.experts_per_layer, largest) << nodes << " nodes";
+  }
+  PlanInputs one = Cluster(PlanMode::kFull, PlanDtype::kFp32);
+  one.nodes = 1;
+  EXPECT_EQ(ComputePlan(o, one).alltoall_bytes_per_node, 0);  // nothing leaves a lone node
+}
+
+// The search finds the first node count whose largest node fits: with RAM
+// just enough for ceil(64 / 4) = 16 experts per layer, 4 nodes (3 would need 22).
+TEST(Plan, SmallestNodeCount) {
+  framework::ModelOptions o = Toy();
+  o.num_experts = 64;
+  o.hidden_size = 1024;
+  o.moe_intermediate_size = 2048;
+  PlanInputs in = Cluster(PlanMode::kFull, PlanDtype::kBf16);
+  in.nodes = 4;
+  const int64_t need = ComputePlan(o, in).ram.total;
+  in.nodes = 1;
+  in.ram_gib = static_cast<double>(need) / static_cast<double>(kGiB) + 1e-9;
+  Plan p = ComputePlan(o, in);
+  EXPECT_FALSE(p.fits);
+  EXPECT_FALSE(p.ram_fits);
+  EXPECT_TRUE(p.gpu_fits);
+  EXPECT_EQ(p.min_nodes, 4);
+
+  // Less RAM than the reserve: no node count helps, and the reason says so.
+  in.ram_gib = 16;
+  p = ComputePlan(o, in);
+  EXPECT_FALSE(p.min_nodes.has_value());
+  EXPECT_NE(p.why_no_node_count.find("even one expert of each MoE layer per node"),
+            std::string::npos)
+      << p.why_no_node_count;
+
+  // A GPU smaller than the dense part: no node count, whatever the RAM.
+  in.ram_gib = 4096;
+  in.gpu_gib = 1;
+  p = ComputePlan(o, in);
+  EXPECT_TRUE(p.ram_fits);
+  EXPECT_FALSE(p.gpu_fits);
+  EXPECT_FALSE(p.min_nodes.has_value());
+  EXPECT_NE(p.why_no_node_count.find("does not fit one 1 GiB GPU at any node count"),
+            std::string::npos)
+      << p.why_no_node_count;
+}
+
+TEST(Plan, MostTokensPerGpu) {
+  const framework::ModelOptions o = Toy();
+  const Plan p = ComputePlan(o, Cluster(PlanMode::kFull, PlanDtype::kBf16));
+  const int64_t per_token = p.gpu.activations / 8;
+  const int64_t fixed = p.gpu.total - p.gpu.activations;
+  EXPECT_EQ(p.max_tokens_per_gpu, (16 * kGiB - fixed) / per_token);
+}
+
+TEST(Plan, InputChecksNameTheFlag) {
+  PlanInputs in = Cluster(PlanMode::kFull, PlanDtype::kFp8);
+  absl::Status s = CheckPlanInputs(in);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(),
+            "--expert-dtype fp8 needs --mode lora: FP8 expert weights can only be frozen");
+  in.mode = PlanMode::kLora;
+  EXPECT_TRUE(CheckPlanInputs(in).ok());
+  in.seq_len = -1;
+  EXPECT_EQ(CheckPlanInputs(in).message(), "--seq-len = -1 must be positive");
+  in = Cluster(PlanMode::kFull, PlanDtype::kBf16);
+  in.gpu_gib = -80;
+  EXPECT_EQ(CheckPlanInputs(in).message(), "--gpu-gb = -80 must be positive");
+}
+
+TEST(Plan, MissingConfigIsNotFound) {
+  std::ostringstream out;
+  absl::StatusOr<bool> r =
+      RunPlan("/nonexistent/config.json", Cluster(PlanMode::kFull, PlanDtype::kBf16), false, out);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(r.status().message(), "plan: --model: no such file '/nonexistent/config.json'");
+}
+
+}  // namespace
+}  // namespace moefit::launch

@@ -1,7 +1,7 @@
 """moefit against Hugging Face transformers, through model directories.
 
-For each family (qwen3_moe, qwen2_moe, mixtral, deepseek_v3 with and without
-the query bottleneck and with YaRN, glm4_moe), a tiny model built by
+For each family (qwen3_moe, also with YaRN, qwen2_moe, mixtral, deepseek_v3
+with and without the query bottleneck and with YaRN, glm4_moe), a tiny model built by
 transformers with random weights is saved with save_pretrained (per-expert
 checkpoint keys, sharded, with an index). Then:
   * `moefit eval --save-logits` on that directory equals the transformers
@@ -56,6 +56,12 @@ def deepseek_v3_config(q_lora_rank):
 
 
 FAMILIES.update({
+    # YaRN on an existing family: frequencies and the cos/sin attention factor.
+    "qwen3_moe_yarn": (Qwen3MoeForCausalLM, lambda: Qwen3MoeConfig(
+        **COMMON, head_dim=16, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+        norm_topk_prob=True, rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                              "original_max_position_embeddings": 64,
+                                              "rope_theta": 1e6})),
     "deepseek_v3": (DeepseekV3ForCausalLM, deepseek_v3_config(24)),
     "deepseek_v3_no_q_lora": (DeepseekV3ForCausalLM, deepseek_v3_config(None)),
     # GLM-4.5 in small: rotary on half of each head, q/k/v biases, q/k norms,

@@ -12,15 +12,17 @@
 //      stored shapes do not fit. Every problem goes into the report; any problem
 //      stops the load here, before a byte of tensor data is read.
 //   3. Convert: a tbb::flow function_node with bounded concurrency takes targets
-//      one by one and builds each into its own tensor as soon as its sources
-//      are read. The common rules (merge the experts, then concatenate gate and
-//      up; or a plain rename) place every source directly at its spot in the
-//      target: pread() from the shard when no dtype conversion is needed, else
-//      a converting copy from the read-only mapping. Any other rule runs the
-//      reference ops on mapping views (madvise(WILLNEED) first so the kernel
-//      reads ahead) and copies the result. A block-scaled FP8 source is widened
-//      from its mapping straight into its spot (DequantizeBlockFp8Into); for the
-//      other rules it is widened to an fp32 copy of that one source first.
+//      one by one and builds each into its own tensor (the caller's destination
+//      when it gave one, checked against the plan before this stage starts) as
+//      soon as its sources are read. The common rules (merge the experts, then
+//      concatenate gate and up; or a plain rename) place every source directly
+//      at its spot in the target: pread() from the shard when no dtype
+//      conversion is needed, else a converting copy from the read-only
+//      mapping. Any other rule runs the reference ops on mapping views
+//      (madvise(WILLNEED) first so the kernel reads ahead) and copies the
+//      result. A block-scaled FP8 source is widened from its mapping straight
+//      into its spot (DequantizeBlockFp8Into); for the other rules it is
+//      widened to an fp32 copy of that one source first.
 #include "checkpoint/weight_loader.h"
 
 #include <ATen/ops/empty.h>
@@ -277,6 +279,7 @@ class Loader {
       return absl::InvalidArgumentError(absl::StrCat(
           "cannot load ", dir_.string(), " as ", table_.family, ": ", report_.ProblemSummary()));
     }
+    MOEFIT_RETURN_IF_ERROR(CheckDestinations());
     return Convert();
   }
 
@@ -519,6 +522,43 @@ class Loader {
     return absl::OkStatus();
   }
 
+  // Every destination the caller gave is a wanted target's, and a contiguous
+  // CPU tensor of its planned shape and dtype: the fill paths below write
+  // through data_ptr() and pread() straight into it. All unusable ones are
+  // named in one error, before anything is read.
+  absl::Status CheckDestinations() const {
+    if (options_.destinations.empty()) return absl::OkStatus();
+    std::map<std::string_view, const TargetPlan*> wanted;
+    for (const TargetPlan* plan : wanted_) wanted.emplace(plan->name, plan);
+    std::vector<std::string> problems;
+    for (const auto& [name, dst] : options_.destinations) {
+      const auto it = wanted.find(name);
+      if (it == wanted.end()) {
+        problems.push_back(absl::StrCat(name, ": not a tensor this load produces"));
+        continue;
+      }
+      const TargetPlan& plan = *it->second;
+      if (dst.defined() && dst.device().is_cpu() && dst.layout() == at::kStrided &&
+          dst.is_contiguous() && dst.scalar_type() == plan.dtype &&
+          dst.sizes() == at::IntArrayRef(plan.shape)) {
+        continue;
+      }
+      const std::string got =
+          dst.defined() ? absl::StrCat(dst.is_contiguous() ? "" : "non-contiguous ",
+                                       c10::toString(dst.scalar_type()), " ",
+                                       ShapeString(dst.sizes()), " on ", dst.device().str())
+                        : "undefined";
+      problems.push_back(absl::StrCat(name, ": destination is ", got, ", the target is ",
+                                      c10::toString(plan.dtype), " ", ShapeString(plan.shape),
+                                      " (contiguous, on cpu)"));
+    }
+    if (problems.empty()) return absl::OkStatus();
+    SortNames(problems);
+    return absl::InvalidArgumentError(absl::StrCat("LoadCheckpoint(", dir_.string(), "): ",
+                                                   problems.size(), " unusable destinations: ",
+                                                   absl::StrJoin(problems, "; ")));
+  }
+
   // An FP8 source needs its scale, of the block grid's shape; a scale needs an
   // FP8 weight. Problems go to the report; false when there is one.
   bool CheckFp8(const TargetPlan& plan, const SourceRef& ref) {
@@ -589,7 +629,11 @@ class Loader {
     report_.num_tensors_read = tensors_read_.load();
     std::map<std::string, at::Tensor> out;
     for (size_t target_idx = 0; target_idx < wanted_.size(); ++target_idx) {
-      out.emplace(wanted_[target_idx]->name, std::move(results[target_idx]));
+      const std::string& name = wanted_[target_idx]->name;
+      // The caller's own tensor, not the detached alias it was filled through.
+      const auto dst = options_.destinations.find(name);
+      out.emplace(name, dst != options_.destinations.end() ? dst->second
+                                                           : std::move(results[target_idx]));
     }
     return out;
   }
@@ -612,7 +656,13 @@ class Loader {
       }
     }
     try {
-      at::Tensor out = at::empty(plan.shape, at::TensorOptions().dtype(plan.dtype));
+      // The caller's tensor when it gave one (written through a detached alias:
+      // filling a parameter's storage is not an operation for autograd to
+      // record or refuse), else a new one.
+      const auto dst = options_.destinations.find(plan.name);
+      at::Tensor out = dst != options_.destinations.end()
+                           ? dst->second.detach()
+                           : at::empty(plan.shape, at::TensorOptions().dtype(plan.dtype));
       if (!HasFusedPath(rule)) {
         for (const auto& refs : plan.inputs) {
           for (const SourceRef& ref : refs) Prefetch(SourceBytes(plan, ref));

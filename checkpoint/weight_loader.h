@@ -12,10 +12,12 @@
 // before touching any data. Only then does it read: each target's sources go
 // straight to their place in the target's own tensor (pread() when no dtype
 // conversion is needed, else a converting copy from the read-only mapping), as
-// soon as they are read, on a oneTBB flow graph that keeps a bounded number of
-// targets in flight (so extra memory is a few targets, not the checkpoint). The
-// report counts the bytes actually read, so tests can check that a rank reads
-// only its own experts.
+// soon as they are read (that tensor can be the caller's own, a model's
+// parameter: LoadOptions::destinations, so a loaded model holds its weights
+// once), on a oneTBB flow graph that keeps a bounded number of targets in
+// flight (so extra memory is a few targets, not the checkpoint). The report
+// counts the bytes actually read, so tests can check that a rank reads only
+// its own experts.
 //
 // Two things published checkpoints carry beyond the table's tensors:
 //   - Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2; see fp8.h): an FP8 source
@@ -82,6 +84,17 @@ struct LoadOptions {
   // The caller sets it to num_hidden_layers when config.json has
   // num_nextn_predict_layers > 0, whose modules follow the decoder layers.
   std::optional<int64_t> skip_layers_from;
+  // Runtime name -> the tensor to fill in place instead of a new one: a model
+  // passes its own parameters, so that loading needs no second copy of the
+  // weights to copy over. Each must be a contiguous CPU tensor of the target's
+  // shape and dtype (it may require grad: it is written through a detached
+  // alias); the caller keeps destinations apart (no two sharing memory).
+  // Destinations of a target this load does not produce, or of the wrong shape,
+  // dtype, device or layout, fail with one InvalidArgument naming all of them,
+  // after the report's checks and before anything is read. The returned map
+  // holds these same tensors; targets without one get a new tensor. A tensor
+  // on the GPU is loaded to the host without a destination and copied once.
+  std::map<std::string, at::Tensor> destinations;
 };
 
 // What LoadCheckpoint found, in the spirit of transformers' loading info. Names

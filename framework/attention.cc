@@ -39,6 +39,19 @@ at::Tensor RotatePartial(const at::Tensor& x, const at::Tensor& cos, const at::T
                  -1);
 }
 
+// Scaled dot-product attention: causal through SDPA's is_causal fast path, or
+// with the explicit mask of packed sequences (is_causal and a mask are
+// exclusive in SDPA; the mask is causal itself).
+at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& mask, double scale) {
+  if (!mask.defined()) {
+    return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                            /*is_causal=*/true, scale);
+  }
+  return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false,
+                                          scale);
+}
+
 // YaRN's magnitude correction 0.1 * m * ln(s) + 1 (1 for s <= 1).
 double YarnMscale(double scale, double m) {
   return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
@@ -108,8 +121,29 @@ RotaryTables ComputeRotaryTables(const ModelOptions& o, int64_t num_positions, c
   return out;
 }
 
+RotaryTables ComputeRotaryTables(const ModelOptions& o, const at::Tensor& position_ids,
+                                 c10::Device device) {
+  at::Tensor pos = position_ids.to(device);
+  RotaryTables out = ComputeRotaryTables(o, pos.max().item<int64_t>() + 1, device);
+  const int64_t b = pos.size(0), t = pos.size(1);
+  auto gather = [&](const at::Tensor& table) {
+    return table.index_select(0, pos.reshape({-1})).view({b, 1, t, table.size(-1)});
+  };
+  out.cos = gather(out.cos);
+  out.sin = gather(out.sin);
+  return out;
+}
+
+at::Tensor SegmentCausalMask(const at::Tensor& segment_ids) {
+  const int64_t t = segment_ids.size(1);
+  at::Tensor same = segment_ids.unsqueeze(2).eq(segment_ids.unsqueeze(1));  // [B, T, T]
+  at::Tensor causal =
+      at::ones({t, t}, segment_ids.options().dtype(at::kBool)).tril();  // key j <= query i
+  return same.logical_and(causal).unsqueeze(1);
+}
+
 at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Tensor& x,
-                        const RotaryTables& rope) {
+                        const RotaryTables& rope, const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1), hd = o.head_dim;
   auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, int64_t n) {
     return at::linear(x, proj, bias).view({b, t, n, hd});
@@ -128,8 +162,7 @@ at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Te
     k = k.repeat_interleave(groups, 1);
     v = v.repeat_interleave(groups, 1);
   }
-  at::Tensor attn = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
-                                                     /*is_causal=*/true, rope.softmax_scale);
+  at::Tensor attn = Attend(q, k, v, mask, rope.softmax_scale);
   return at::linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), w.o_proj);
 }
 
@@ -137,7 +170,7 @@ at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Te
 // and values expanded per head from one normalized latent of kv_lora_rank
 // dims, plus a single rotary key of qk_rope_head_dim dims shared by all heads.
 at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const at::Tensor& x,
-                           const RotaryTables& rope) {
+                           const RotaryTables& rope, const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1), heads = o.num_attention_heads;
   const int64_t nope = o.qk_nope_head_dim, rope_dim = o.qk_rope_head_dim;
   at::Tensor q =
@@ -157,9 +190,7 @@ at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const 
                       .transpose(1, 2);  // [B, heads, T, nope + v]
   at::Tensor key = at::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, heads, t, rope_dim})}, -1);
   at::Tensor value = kv.narrow(-1, nope, o.v_head_dim);
-  at::Tensor attn =
-      at::scaled_dot_product_attention(query, key, value, /*attn_mask=*/{},
-                                       /*dropout_p=*/0.0, /*is_causal=*/true, rope.softmax_scale);
+  at::Tensor attn = Attend(query, key, value, mask, rope.softmax_scale);
   return at::linear(attn.transpose(1, 2).reshape({b, t, heads * o.v_head_dim}), w.o_proj);
 }
 

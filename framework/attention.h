@@ -25,6 +25,16 @@ struct RotaryTables {
 };
 RotaryTables ComputeRotaryTables(const ModelOptions& options, int64_t num_positions,
                                  c10::Device device);
+// The same rows gathered per token, for packed sequences whose positions
+// restart at every sample: position_ids [B, T] int64 -> cos and sin
+// [B, 1, T, rotary_dim] (broadcasting over the heads).
+RotaryTables ComputeRotaryTables(const ModelOptions& options, const at::Tensor& position_ids,
+                                 c10::Device device);
+
+// Attention mask of packed sequences: segment_ids [B, T] -> [B, 1, T, T] bool,
+// true where query i may attend to key j (j <= i and the same segment): causal
+// and block-diagonal, so that no token sees another sample.
+at::Tensor SegmentCausalMask(const at::Tensor& segment_ids);
 
 // RMSNorm computed in at least fp32, the result in x's dtype times weight.
 at::Tensor RmsNorm(const at::Tensor& x, const at::Tensor& weight, double eps);
@@ -35,9 +45,10 @@ struct GqaWeights {
   at::Tensor q_norm, k_norm;          // defined when qk_norm
 };
 
-// x: [B, T, H] -> [B, T, H]; causal.
+// x: [B, T, H] -> [B, T, H]. Causal; with `mask` (SegmentCausalMask) also
+// within segments only.
 at::Tensor GqaAttention(const ModelOptions& options, const GqaWeights& w, const at::Tensor& x,
-                        const RotaryTables& rope);
+                        const RotaryTables& rope, const at::Tensor& mask = {});
 
 struct LatentWeights {
   at::Tensor q_proj;                        // without q_lora_rank
@@ -45,8 +56,9 @@ struct LatentWeights {
   at::Tensor kv_a_proj, kv_a_norm, kv_b_proj, o_proj;
 };
 
-// Multi-head latent attention. x: [B, T, H] -> [B, T, H]; causal.
+// Multi-head latent attention. x: [B, T, H] -> [B, T, H]; masked as
+// GqaAttention.
 at::Tensor LatentAttention(const ModelOptions& options, const LatentWeights& w, const at::Tensor& x,
-                           const RotaryTables& rope);
+                           const RotaryTables& rope, const at::Tensor& mask = {});
 
 }  // namespace moefit::framework

@@ -1,13 +1,28 @@
 // Training data: token sequences of a fixed length and a deterministic sampler.
 //
-// Two sources: plain text through the byte-level tokenizer (token = byte,
-// vocabulary 256; what the demo uses), and pre-tokenized JSON Lines
-// ({"input_ids": [...], "labels": [...]}, label -100 = not trained on, labels
-// defaulting to input_ids). Both are concatenated and packed into sequences of
-// `seq_len` tokens; a tail shorter than that is dropped. The sampler visits the
-// sequences in a fresh seeded permutation each epoch, so a global batch is a
-// pure function of (seed, step) — the property multi-rank runs rely on to equal
-// a single-rank run over the same global batch.
+// Two sources, laid out differently:
+//  * Plain text through the byte-level tokenizer (token = byte, vocabulary
+//    256; what the demo uses) is one continuous stream cut into sequences of
+//    `seq_len` tokens (a shorter tail is dropped): each sequence is one
+//    segment with positions 0..T-1.
+//  * Pre-tokenized JSON Lines ({"input_ids": [...], "labels": [...]}, label
+//    -100 = not trained on, labels defaulting to input_ids) are samples that
+//    must not see each other: whole samples are packed into sequences of
+//    `seq_len` tokens, first fit in file order (each sample goes into the
+//    first sequence with room for it, else a new one), and the rest of a
+//    sequence is padding (token 0, label -100, a segment of its own). A sample
+//    longer than `seq_len` is split into pieces of `seq_len` tokens (the last
+//    one shorter), each packed as a sample of its own. Every sample (or piece)
+//    is a segment: its position ids restart at 0, attention stays inside it
+//    (MoeModel::Forward), and its first token's label is -100, because the
+//    loss predicts labels[t + 1] from position t and the token before a
+//    segment belongs to another one — the sample alone never predicts its
+//    first token either.
+//
+// The sampler visits the sequences in a fresh seeded permutation each epoch,
+// so a global batch is a pure function of (seed, step) — the property
+// multi-rank runs rely on to equal a single-rank run over the same global
+// batch.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -25,8 +40,10 @@ constexpr int64_t kByteVocabSize = 256;
 constexpr int64_t kIgnoreIndex = -100;
 
 struct Batch {
-  at::Tensor input_ids;  // [B, T] int64
-  at::Tensor labels;     // [B, T] int64, -100 where not trained on
+  at::Tensor input_ids;     // [B, T] int64
+  at::Tensor labels;        // [B, T] int64, -100 where not trained on
+  at::Tensor position_ids;  // [B, T] int64, 0 at the first token of every segment
+  at::Tensor segment_ids;   // [B, T] int64, 0, 1, ... for the segments of each row
 };
 
 class TokenDataset {
@@ -45,10 +62,14 @@ class TokenDataset {
   Batch Gather(const std::vector<int64_t>& seq_idx) const;
 
  private:
-  static absl::StatusOr<TokenDataset> Pack(std::vector<int64_t> ids, std::vector<int64_t> labels,
-                                           int64_t seq_len, std::string_view source);
+  // The text layout: consecutive chunks of one stream.
+  static absl::StatusOr<TokenDataset> Chunk(std::vector<int64_t> ids, std::vector<int64_t> labels,
+                                            int64_t seq_len, std::string_view source);
   at::Tensor input_ids_;  // [S, T]
   at::Tensor labels_;     // [S, T]
+  // [S, T] for packed samples; undefined for a stream (positions 0..T-1, one
+  // segment per row, made by Gather).
+  at::Tensor position_ids_, segment_ids_;
 };
 
 class BatchSampler {

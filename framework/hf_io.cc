@@ -76,16 +76,23 @@ absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint:
   const std::vector<Parameter> tensors_wanted = model.named_tensors();
   for (const Parameter& p : tensors_wanted) {
     options.expected[p.name] = {p.tensor.sizes().vec(), p.tensor.scalar_type()};
+    // The loader writes host tensors where they are: no second copy of the
+    // weights to build and copy over.
+    if (p.tensor.device().is_cpu() && p.tensor.is_contiguous()) {
+      options.destinations[p.name] = p.tensor;
+    }
   }
   MOEFIT_ASSIGN_OR_RETURN(auto tensors, checkpoint::LoadCheckpoint(dir, model.options().model_type,
                                                                    options, report));
   torch::NoGradGuard no_grad;
   for (const Parameter& p : tensors_wanted) {
+    if (options.destinations.contains(p.name)) continue;
     auto it = tensors.find(p.name);
     if (it == tensors.end()) {
       return absl::NotFoundError(absl::StrCat(dir, ": no tensor for ", p.name));
     }
     p.tensor.copy_(it->second);
+    tensors.erase(it);  // each host copy goes once it is on the device
   }
   return absl::OkStatus();
 }

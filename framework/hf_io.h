@@ -22,8 +22,12 @@
 
 namespace moefit::framework {
 
-// Copies the weights of the HF directory `dir` into `model`. Missing,
-// unexpected or mis-shaped tensors fail with one message naming them.
+// Loads the weights of the HF directory `dir` into `model`. Missing,
+// unexpected or mis-shaped tensors fail with one message naming them. Host
+// tensors (the routed experts; the dense part on a CPU run) are filled in
+// place by the loader, so the weights are held once: a model made with
+// WeightInit::kUninitialized costs no more than its weights. Tensors on the
+// GPU are loaded to the host and copied over once each.
 absl::Status LoadPretrained(MoeModel& model, const std::string& dir,
                             checkpoint::LoadReport* report = nullptr);
 

@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/accumulate.h>
 
 #include <cmath>
 
@@ -49,7 +50,7 @@ MoeModel::~MoeModel() = default;
 
 absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& options,
                                                            const ModelRuntime& runtime,
-                                                           uint64_t seed) {
+                                                           uint64_t seed, WeightInit init) {
   auto backend =
       experts::CreateExpertBackend(runtime.expert_backend, {.num_threads = runtime.expert_threads});
   if (!backend.ok()) return backend.status();
@@ -62,25 +63,58 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   std::unique_ptr<MoeModel> model(new MoeModel(options, rt, std::move(*placement)));
   model->backend_ = std::move(*backend);
   model->dispatcher_ = std::move(*dispatcher);
-  model->Build(seed);
+  model->Build(seed, init);
   return model;
 }
 
-void MoeModel::Build(uint64_t seed) {
+at::Tensor RandnRows(at::IntArrayRef shape, int64_t first, int64_t num, double scale,
+                     at::ScalarType dtype, at::Generator& gen) {
+  const std::vector<int64_t> row_shape(shape.begin() + 1, shape.end());
+  const int64_t row_numel = c10::multiply_integers(row_shape);
+  if (row_numel == 0 || row_numel % 16 != 0) {
+    return (at::randn(shape, gen, at::kFloat) * scale).narrow(0, first, num).to(dtype).clone();
+  }
+  std::vector<int64_t> out_shape = shape.vec();
+  out_shape[0] = num;
+  at::Tensor out = at::empty(out_shape, at::TensorOptions().dtype(dtype));
+  // at::randn is at::empty then normal_(0, 1): the same call, one row at a time.
+  at::Tensor row = at::empty(row_shape, at::TensorOptions().dtype(at::kFloat));
+  for (int64_t r = 0; r < shape[0]; ++r) {
+    row.normal_(0, 1, gen);
+    if (r >= first && r < first + num) out.select(0, r - first).copy_(row * scale);
+  }
+  return out;
+}
+
+void MoeModel::Build(uint64_t seed, WeightInit init) {
   const ModelOptions& o = options_;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const int64_t h = o.hidden_size, hd = o.head_dim;
   // Every tensor is drawn on the CPU in a fixed order, then moved: the same
   // seed gives the same weights on any device and at any expert dtype.
   const int ep_rank = runtime_.expert_group->rank();
+  const int64_t first_expert = placement_.first_expert(ep_rank);
+  const int64_t num_local = placement_.num_local(ep_rank);
+  const bool random = init == WeightInit::kRandom;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool normal, bool decay,
                  bool expert) {
-    at::Tensor t = normal ? at::randn(shape, gen, at::kFloat) * o.initializer_range
-                          : (decay ? at::zeros(shape) : at::ones(shape));
-    t = expert ? t.narrow(0, placement_.first_expert(ep_rank), placement_.num_local(ep_rank))
-                     .to(runtime_.expert_dtype)
-                     .clone()
-               : t.to(runtime_.dense_device);
+    at::Tensor t;
+    if (expert) {
+      // This rank's experts only: never the other ranks' rows, drawn or not.
+      if (random) {
+        t = RandnRows(shape, first_expert, num_local, o.initializer_range, runtime_.expert_dtype,
+                      gen);
+      } else {
+        shape[0] = num_local;
+        t = at::empty(shape, at::TensorOptions().dtype(runtime_.expert_dtype));
+      }
+    } else if (random) {
+      t = normal ? at::randn(shape, gen, at::kFloat) * o.initializer_range
+                 : (decay ? at::zeros(shape) : at::ones(shape));
+      t = t.to(runtime_.dense_device);
+    } else {
+      t = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(runtime_.dense_device));
+    }
     t.requires_grad_(true);
     params_.push_back({name, t, decay, expert});
     return t;
@@ -219,19 +253,34 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   return out;
 }
 
-ForwardResult MoeModel::Forward(const at::Tensor& input_ids) {
+ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
+                               const at::Tensor& segment_ids) {
   const ModelOptions& o = options_;
   const c10::Device dev = runtime_.dense_device;
   at::Tensor ids = input_ids.to(dev);
   const int64_t b = ids.size(0), t = ids.size(1);
   ForwardResult result;
-  const RotaryTables rope = ComputeRotaryTables(o, t, dev);
+  // The mask and gathered rotary tables only where a batch needs them: the
+  // byte stream (one segment per row, positions 0..T-1) keeps SDPA's
+  // is_causal kernel and the shared [T, rotary_dim] tables. Routing is per
+  // token and needs neither.
+  at::Tensor mask;
+  if (segment_ids.defined() && t > 1 &&
+      segment_ids.narrow(1, 1, t - 1).ne(segment_ids.narrow(1, 0, t - 1)).any().item<bool>()) {
+    mask = SegmentCausalMask(segment_ids.to(dev));
+  }
+  const bool plain_positions =
+      !position_ids.defined() ||
+      at::equal(position_ids.to(at::kCPU, at::kLong), at::arange(t, at::kLong).expand({b, t}));
+  const RotaryTables rope = plain_positions ? ComputeRotaryTables(o, t, dev)
+                                            : ComputeRotaryTables(o, position_ids, dev);
 
   at::Tensor hidden = at::embedding(embed_tokens_, ids);
   for (const Layer& l : layers_) {
     at::Tensor normed = RmsNorm(hidden, l.input_norm, o.rms_norm_eps);
-    hidden = hidden + (o.attention == AttentionKind::kMla ? LatentAttention(o, l.mla, normed, rope)
-                                                          : GqaAttention(o, l.gqa, normed, rope));
+    hidden = hidden + (o.attention == AttentionKind::kMla
+                           ? LatentAttention(o, l.mla, normed, rope, mask)
+                           : GqaAttention(o, l.gqa, normed, rope, mask));
     normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
     if (l.moe) {
       MoeLayerRouting routing;

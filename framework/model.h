@@ -16,6 +16,7 @@
 // them by name.
 #pragma once
 
+#include <ATen/core/Generator.h>
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
@@ -77,20 +78,39 @@ struct ForwardResult {
   std::vector<MoeLayerRouting> moe_layers;
 };
 
+// How MoeModel::Create fills the weights.
+enum class WeightInit {
+  // The seeded random draw described at MoeModel::Create.
+  kRandom,
+  // Allocated and left unwritten (at::empty: no page is committed until it is
+  // written), for a model whose every tensor is loaded next (LoadPretrained
+  // fills them in place): no random draw, and the weights are in memory once.
+  kUninitialized,
+};
+
 class MoeModel {
  public:
-  // Builds the model with weights drawn from N(0, initializer_range) (norms 1,
-  // biases 0) from a generator seeded with `seed`, independent of the device
-  // and of the expert-parallel degree: every rank draws the same full tensors
-  // and keeps its own experts (contiguous placement), so N ranks start from
-  // exactly the weights of one.
+  // Builds the model; each rank allocates only its own experts (contiguous
+  // placement). With kRandom the weights are drawn from N(0,
+  // initializer_range) (norms 1, biases 0) from a generator seeded with
+  // `seed`, independent of the device and of the expert-parallel degree: every
+  // rank draws the same full sequence of values and keeps its own experts'
+  // (RandnRows), so N ranks start from exactly the weights of one.
   static absl::StatusOr<std::unique_ptr<MoeModel>> Create(const ModelOptions& options,
                                                           const ModelRuntime& runtime,
-                                                          uint64_t seed);
+                                                          uint64_t seed,
+                                                          WeightInit init = WeightInit::kRandom);
   ~MoeModel();
 
-  // input_ids: [B, T] int64 (any device).
-  ForwardResult Forward(const at::Tensor& input_ids);
+  // input_ids: [B, T] int64 (any device). Packed sequences (framework/data.h)
+  // also give position_ids [B, T] (restarting at 0 in every sample; undefined
+  // = 0..T-1 in every row) and segment_ids [B, T] (which sample each token
+  // belongs to; undefined = one per row): rotary angles then follow the
+  // position ids, and a token attends only to earlier tokens of its own
+  // segment. Rows of one segment with positions 0..T-1 take the plain causal
+  // path, bit for bit the numbers without them.
+  ForwardResult Forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
+                        const at::Tensor& segment_ids = {});
 
   const std::vector<Parameter>& parameters() const { return params_; }
   // State that is saved and loaded with the weights but not trained by the
@@ -106,7 +126,7 @@ class MoeModel {
   struct Layer;
   MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
            router::ExpertPlacement placement);
-  void Build(uint64_t seed);
+  void Build(uint64_t seed, WeightInit init);
   // x: [num_sequences * T, H] (sequence-major).
   at::Tensor Moe(const Layer& layer, const at::Tensor& x, int64_t num_sequences,
                  MoeLayerRouting* routing);
@@ -121,6 +141,17 @@ class MoeModel {
   std::vector<Layer> layers_;
   at::Tensor embed_tokens_, final_norm_, lm_head_;
 };
+
+// Rows [first, first + num) along dim 0 of at::randn(shape, gen) * scale, in
+// `dtype`, leaving `gen` where that full draw leaves it; how the routed experts
+// of a rank are drawn. LibTorch's CPU normal sampler fills a contiguous float
+// tensor of at least 16 elements in independent blocks of 16 (uniforms in
+// order, then Box-Muller per block; only a ragged tail is redrawn), so when a
+// row's element count is a multiple of 16 drawing the rows one after another
+// gives the values of the full draw, and only this rank's rows plus one row of
+// scratch are ever allocated. Otherwise the full tensor is drawn and narrowed.
+at::Tensor RandnRows(at::IntArrayRef shape, int64_t first, int64_t num, double scale,
+                     at::ScalarType dtype, at::Generator& gen);
 
 // Sum over positions of next-token cross entropy (logits[:, t] predicts
 // labels[:, t + 1]; label -100 is not trained on) and the number of positions

@@ -161,7 +161,7 @@ StepStats Trainer::Step(int64_t step) {
   std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
   std::vector<at::Tensor> correction_biases;  // of each row of `load` (undefined: none)
   for (const Batch& batch : micro) {
-    ForwardResult out = s.model.Forward(batch.input_ids);
+    ForwardResult out = s.model.Forward(batch.input_ids, batch.position_ids, batch.segment_ids);
     LossSum ce = CausalLmLossSum(out.logits, batch.labels);
     at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {

@@ -8,6 +8,9 @@
 // gradients are summed over the data-parallel group, expert gradients over the
 // ranks holding replicas of the same experts.
 //
+// Each micro-batch reaches the model with its position and segment ids, so
+// that packed samples (framework/data.h) neither see nor predict each other.
+//
 // The loss of a step is the sum of per-token cross entropies over the whole
 // global batch divided by the number of trained tokens in it (not a mean of
 // per-micro-batch means), so that any split of the batch into micro-batches —

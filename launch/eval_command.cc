@@ -71,7 +71,8 @@ absl::Status RunEval(const RunConfig& run, const EvalOptions& options,
     }
     if (idx.empty()) idx.push_back(0);  // keeps the collectives aligned; not counted
     framework::Batch b = data->Gather(idx);
-    framework::LossSum l = framework::CausalLmLossSum(model->Forward(b.input_ids).logits, b.labels);
+    framework::LossSum l = framework::CausalLmLossSum(
+        model->Forward(b.input_ids, b.position_ids, b.segment_ids).logits, b.labels);
     if (world->rank() * per_rank + begin < n) {
       loss_sum += l.sum.item<double>();
       tokens += l.num_tokens;

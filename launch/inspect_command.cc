@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -111,9 +112,10 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
   const int64_t num_hidden_layers = IntOr(config, "num_hidden_layers", -1);
   const int64_t num_mtp_layers =
       IntOr(config, "num_nextn_predict_layers", IntOr(config, "num_mtp_layers", 0));
-  const std::optional<int64_t> mtp_from = num_hidden_layers >= 0 && num_mtp_layers > 0
-                                              ? std::optional(num_hidden_layers)
-                                              : std::nullopt;
+  // Layers from here on are MTP layers (none when the config has none).
+  const int64_t mtp_from = num_hidden_layers >= 0 && num_mtp_layers > 0
+                               ? num_hidden_layers
+                               : std::numeric_limits<int64_t>::max();
 
   std::map<std::string, Group> groups;
   std::vector<std::string> order;
@@ -140,7 +142,7 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
       std::smatch m;
       const bool in_layer = std::regex_search(t.name, m, kLayer);
       const int64_t layer_idx = in_layer ? std::stoll(m[1]) : -1;
-      if (in_layer && mtp_from && layer_idx >= *mtp_from) {
+      if (in_layer && layer_idx >= mtp_from) {
         mtp_layers.insert(layer_idx);
         if (!IsScaleTensor(t.name) && !IsBufferTensor(t.name)) mtp_total += t.numel;
         continue;

@@ -145,9 +145,10 @@ int64_t MlpActivationFloats(const ModelOptions& o, bool moe_layer) {
   return 2 * h + 3 * shared + o.num_experts + o.num_experts_per_tok * h;
 }
 
-// Floats per token the dense part keeps for backward: every layer's
-// attention and MLP blocks, the final norm's input (H), and the fp32 logits
-// with their gradient (2 x vocab).
+}  // namespace
+
+// Every layer's attention and MLP blocks, the final norm's input (H), and the
+// fp32 logits with their gradient (2 x vocab).
 int64_t DenseActivationFloatsPerToken(const ModelOptions& o) {
   int64_t floats = o.hidden_size + 2 * o.vocab_size;
   for (int64_t l = 0; l < o.num_hidden_layers; ++l) {
@@ -155,6 +156,8 @@ int64_t DenseActivationFloatsPerToken(const ModelOptions& o) {
   }
   return floats;
 }
+
+namespace {
 
 // Expert rows one node computes per MoE layer and micro-batch: the
 // N x tokens_per_node tokens of the cluster each pick top_k experts, spread

@@ -95,6 +95,11 @@ struct Plan {
   int64_t max_tokens_per_gpu = 0;
 };
 
+// Floats per token the dense part keeps for backward (fp32, no recomputation;
+// the formula is in PlanAssumptions). Also the start-up memory report's
+// activation estimate (launch/memory_report.h).
+int64_t DenseActivationFloatsPerToken(const framework::ModelOptions& model);
+
 // The plan for `model` on the cluster `in` describes. Pure arithmetic.
 Plan ComputePlan(const framework::ModelOptions& model, const PlanInputs& in);
 

@@ -13,6 +13,7 @@
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/corpus.h"
+#include "launch/memory_report.h"
 #include "parallel/process_groups.h"
 #include "proto/status_macros.h"
 
@@ -31,8 +32,13 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   out.groups = std::move(*groups);
   run.runtime.expert_group = out.groups.expert_parallel;
-  MOEFIT_ASSIGN_OR_RETURN(out.model,
-                          framework::MoeModel::Create(run.model, run.runtime, run.train.seed));
+  // Weights that are loaded next are only allocated: no random draw, and the
+  // loader fills the model's own tensors, so they are in memory once.
+  const framework::WeightInit init = run.model_path.empty()
+                                         ? framework::WeightInit::kRandom
+                                         : framework::WeightInit::kUninitialized;
+  MOEFIT_ASSIGN_OR_RETURN(
+      out.model, framework::MoeModel::Create(run.model, run.runtime, run.train.seed, init));
   if (!run.model_path.empty()) {
     checkpoint::LoadReport report;
     MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*out.model, run.model_path, &report));
@@ -41,6 +47,11 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
                            report.seconds)
         << std::endl;
   }
+  // What this rank holds now (the weights, and the peak so far: after loading)
+  // and what training will add to it.
+  LogMemoryBreakdown(
+      ComputeMemoryBreakdown(*out.model, run.train.micro_batch_size, run.seq_len),
+      *out.groups.world, run.train.micro_batch_size, run.seq_len, log);
   return out;
 }
 

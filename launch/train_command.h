@@ -16,7 +16,9 @@ namespace moefit::launch {
 
 // The model of a run on `world`: the process groups of parallel.ep_size
 // (errors name the field), the model with this rank's experts, and the
-// weights of model.model_path if given (reported on `log`).
+// weights of model.model_path if given (reported on `log`), loaded into the
+// model's own tensors. Collective: ends by logging the memory breakdown
+// (launch/memory_report.h) of rank 0 and the largest over the ranks.
 struct ParallelModel {
   parallel::ProcessGroups groups;
   std::unique_ptr<framework::MoeModel> model;

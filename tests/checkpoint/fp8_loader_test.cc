@@ -6,7 +6,8 @@
 // four per-expert experts; and an MTP module stored as one more layer. Then they
 // check what a user relies on: the reference dequantization equals values
 // computed by hand; the loader's tile-by-tile path equals the reference bit for
-// bit, into fp32 and bf16 targets and into strided destinations; a rank owning
+// bit, into fp32 and bf16 targets, into strided destinations and into a
+// caller's own tensors (LoadOptions::destinations); a rank owning
 // experts [2, 4) reads exactly the dense tensors plus its own experts' FP8 bytes
 // and scales; a missing scale, a scale of the wrong shape, a scale of a
 // non-FP8 weight and an orphan scale are reported by name before anything is
@@ -427,6 +428,60 @@ TEST_F(Fp8LoaderTest, RulesWithoutAFusedPathWidenFp8First) {
   ASSERT_TRUE(ref.ok());
   EXPECT_TRUE(SameBytes(loaded->at("w_t"), ref->t()));
   EXPECT_EQ(report.num_bytes_read, weight.nbytes() + scale.nbytes());
+}
+
+// FP8 sources widen straight into caller-given destinations, on the fused
+// paths (a rank's experts, dense weights) and through the reference ops.
+TEST_F(Fp8LoaderTest, DequantizesIntoDestinations) {
+  const std::vector<NamedTensors> shards = DeepseekShards();
+  Write(shards);
+  LoadOptions full_options{.expected = Expected(at::kFloat, kNumExperts)};
+  full_options.skip_layers_from = 1;
+  absl::StatusOr<TensorMap> full = LoadCheckpoint(dir_, "deepseek_v3", full_options);
+  ASSERT_TRUE(full.ok()) << full.status();
+
+  LoadOptions options{
+      .first_expert = 2, .num_experts = 2, .num_threads = 2, .expected = Expected(at::kFloat, 2)};
+  options.skip_layers_from = 1;
+  for (const auto& [name, e] : options.expected) {
+    options.destinations[name] = at::full(e.shape, -7, at::TensorOptions().dtype(e.dtype));
+  }
+  absl::StatusOr<TensorMap> slice = LoadCheckpoint(dir_, "deepseek_v3", options);
+  ASSERT_TRUE(slice.ok()) << slice.status();
+  for (const auto& [name, dst] : options.destinations) {
+    EXPECT_TRUE(slice->at(name).is_same(dst)) << name;
+    const at::Tensor& t = full->at(name);
+    EXPECT_TRUE(SameBytes(dst, name.find(".mlp.experts.") != std::string::npos ? t.narrow(0, 2, 2)
+                                                                               : t))
+        << name;
+  }
+
+  absl::StatusOr<MappingTable> table = ParseMappingTable(R"pb(
+                                                           family: "test"
+                                                           rule {
+                                                             source: "w.weight"
+                                                             target: "w_t"
+                                                             op { transpose { dim0: 0 dim1: 1 } }
+                                                           }
+                                                         )pb",
+                                                         "test.textproto");
+  ASSERT_TRUE(table.ok()) << table.status();
+  std::filesystem::remove_all(dir_);
+  std::filesystem::create_directories(dir_);
+  at::manual_seed(5);
+  auto [weight, scale] = RandomFp8(kQRank, kHidden);
+  Write({NamedTensors{{"w.weight", weight}, {"w.weight_scale_inv", scale}}});
+  at::Tensor w_t = at::empty({kHidden, kQRank}, at::kBFloat16);
+  absl::StatusOr<TensorMap> loaded =
+      LoadCheckpoint(dir_, *table,
+                     {.expected = {{"w_t", {{kHidden, kQRank}, at::kBFloat16}}},
+                      .destinations = {{"w_t", w_t}}});
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(loaded->at("w_t").is_same(w_t));
+  absl::StatusOr<at::Tensor> ref =
+      DequantizeBlockFp8Reference(weight, scale, kBlock, at::kBFloat16);
+  ASSERT_TRUE(ref.ok());
+  EXPECT_TRUE(SameBytes(w_t, ref->t()));
 }
 
 TEST_F(Fp8LoaderTest, SkippedLayersAreNeverMatched) {

@@ -5,9 +5,11 @@
 // what a user would: HF -> packed -> HF gives the same keys and bytes; the packed
 // tensors equal a hand-stacked reference; a rank's expert slice reads exactly
 // its own experts' bytes and equals that slice of a full load; one report names
-// every missing, unexpected and mis-shaped tensor; the packed, transposed and
-// interleaved gpt-oss layout round-trips; expert 10 comes after expert 9; and the
-// two-phase export written by two "ranks" in one process reloads to the original.
+// every missing, unexpected and mis-shaped tensor; caller-given destinations are
+// filled in place, and unusable ones are named before anything is read; the
+// packed, transposed and interleaved gpt-oss layout round-trips; expert 10 comes
+// after expert 9; and the two-phase export written by two "ranks" in one process
+// reloads to the original.
 #include <ATen/ATen.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -375,6 +377,71 @@ TEST_F(ConverterTest, ExpectedDtypeConverts) {
     EXPECT_EQ(as_f32->at(name).scalar_type(), at::kFloat) << name;
     EXPECT_TRUE(SameBytes(as_f32->at(name), t.to(at::kFloat))) << name;
   }
+}
+
+// A model's own tensors as destinations: filled where they are (the returned
+// map holds the very same tensors), by every fill path: pread() for experts in
+// their stored dtype, converting copies for the dense part in fp32.
+TEST_F(ConverterTest, DestinationsAreFilledInPlace) {
+  const std::string family = "qwen3_moe";
+  WriteSharded(dir_, HubTensors(family, 4), 3);
+  absl::StatusOr<TensorMap> full = LoadCheckpoint(dir_, family);
+  ASSERT_TRUE(full.ok()) << full.status();
+  LoadOptions options{.first_expert = 2, .num_experts = 2, .num_threads = 2,
+                      .expected = ExpectedFor(*full, 2)};
+  for (auto& [name, e] : options.expected) {
+    if (name.find(".mlp.experts.") == std::string::npos) e.dtype = at::kFloat;
+    // Parameters require grad; the loader must fill them all the same.
+    options.destinations[name] =
+        at::empty(e.shape, at::TensorOptions().dtype(e.dtype)).requires_grad_(true);
+  }
+  LoadReport report;
+  absl::StatusOr<TensorMap> loaded = LoadCheckpoint(dir_, family, options, &report);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(report.ok()) << report.ProblemSummary();
+  ASSERT_EQ(loaded->size(), options.destinations.size());
+  for (const auto& [name, dst] : options.destinations) {
+    EXPECT_TRUE(loaded->at(name).is_same(dst)) << name;
+    EXPECT_TRUE(dst.requires_grad()) << name;
+    const at::Tensor& t = full->at(name);
+    const at::Tensor want = name.find(".mlp.experts.") != std::string::npos
+                                ? t.narrow(0, 2, 2)
+                                : t.to(at::kFloat);
+    EXPECT_TRUE(SameBytes(dst.detach(), want)) << name;
+  }
+}
+
+// Destinations of the wrong kind are a caller's error: every one is named at
+// once, after the plan and before anything is read.
+TEST_F(ConverterTest, UnusableDestinationsAreNamedBeforeAnyRead) {
+  const std::string family = "qwen3_moe";
+  WriteSharded(dir_, HubTensors(family, 4), 2);
+  absl::StatusOr<TensorMap> full = LoadCheckpoint(dir_, family);
+  ASSERT_TRUE(full.ok()) << full.status();
+  LoadOptions options{.expected = ExpectedFor(*full, 4)};
+  const std::string down = "model.layers.0.mlp.experts.down_proj";
+  options.destinations = {
+      {"model.embed_tokens.weight", at::empty({kVocab, kHidden + 1}, at::kBFloat16)},
+      {"model.norm.weight", at::empty({kHidden}, at::kBFloat16)},  // stored and expected fp32
+      {"lm_head.weight", at::empty({kHidden, kVocab}, at::kBFloat16).t()},
+      {"model.layers.0.mlp.nothing", at::empty({1})},
+      {down, at::zeros({4, kHidden, kInter}, at::kBFloat16)},  // a good one
+  };
+  LoadReport report;
+  absl::StatusOr<TensorMap> loaded = LoadCheckpoint(dir_, family, options, &report);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(report.ok()) << report.ProblemSummary();  // the checkpoint is fine
+  EXPECT_EQ(report.num_bytes_read, 0u);
+  const std::string message(loaded.status().message());
+  EXPECT_THAT(message, HasSubstr("4 unusable destinations"));
+  EXPECT_THAT(message, HasSubstr("model.embed_tokens.weight: destination is BFloat16 [16, 9]"));
+  EXPECT_THAT(message, HasSubstr("model.norm.weight: destination is BFloat16 [8] on cpu, the "
+                                 "target is Float [8]"));
+  EXPECT_THAT(message, HasSubstr("lm_head.weight: destination is non-contiguous"));
+  EXPECT_THAT(message, HasSubstr("model.layers.0.mlp.nothing: not a tensor this load produces"));
+  EXPECT_THAT(message, Not(HasSubstr(down)));
+  EXPECT_EQ(options.destinations.at(down).count_nonzero().item<int64_t>(), 0);
 }
 
 TEST_F(ConverterTest, ExpertTenComesAfterExpertNine) {

@@ -1,8 +1,9 @@
 // Expert-parallel training equals single-process training over the same
 // global batch, for qwen3_moe and for the sigmoid-routed families (deepseek_v3,
 // glm4_moe: sequence-wise balance loss, correction biases moved from global
-// counts). Runs under mpirun -np 2 and -np 4: every rank trains with its
-// share of each micro-batch and its share of the experts; rank 0 also trains
+// counts), and on packed SFT samples (segment masks, restarting positions).
+// Runs under mpirun -np 2 and -np 4: every rank trains with its share of each
+// micro-batch and its share of the experts; rank 0 also trains
 // the same model alone (a one-rank communicator, W times the micro-batch) and
 // compares losses and the final parameters (experts gathered from their
 // owners).
@@ -21,6 +22,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -76,13 +78,39 @@ launch::RunConfig SmallRun(int64_t micro_batch, const std::string& family) {
   return *r;
 }
 
+// The corpus as SFT samples of 17 to 96 bytes, the first 5 of each not
+// trained, packed into rows (some samples cut, some rows padded).
+absl::StatusOr<TokenDataset> PackedCorpus(int64_t seq_len) {
+  const std::string path = ::testing::TempDir() + "/ep_packed_" +
+                           std::to_string(parallel::testing::World()->rank()) + ".jsonl";
+  {
+    std::ofstream f(path);
+    const std::string_view corpus = launch::ShippedCorpus();
+    size_t begin = 0;
+    for (int i = 0; i < 300 && begin < corpus.size(); ++i) {
+      const size_t n = std::min<size_t>(17 + (i * 29) % 80, corpus.size() - begin);
+      std::string ids, labels;
+      for (size_t j = 0; j < n; ++j) {
+        const std::string id = std::to_string(static_cast<unsigned char>(corpus[begin + j]));
+        ids += (j ? ", " : "") + id;
+        labels += (j ? ", " : "") + (j < 5 ? std::string("-100") : id);
+      }
+      f << "{\"input_ids\": [" << ids << "], \"labels\": [" << labels << "]}\n";
+      begin += n;
+    }
+  }
+  return TokenDataset::FromJsonl(path, seq_len, 256);
+}
+
 Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> world, int ep_size,
-             const std::string& dispatcher) {
+             const std::string& dispatcher, bool packed = false) {
   auto groups = parallel::MakeProcessGroups(world, {.ep_size = ep_size});
   EXPECT_TRUE(groups.ok()) << groups.status();
   run.runtime.expert_group = groups->expert_parallel;
   run.runtime.dispatcher = dispatcher;
-  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+  auto data = packed ? PackedCorpus(run.seq_len)
+                     : TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+  EXPECT_TRUE(data.ok()) << data.status();
   auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
   EXPECT_TRUE(model.ok()) << model.status();
   Trainer trainer(**model, *data, run.train, &*groups);
@@ -112,6 +140,7 @@ struct EpCase {
   std::string dispatcher;
   int ep_size;  // 0 = world
   std::string family = "qwen3_moe";
+  bool packed = false;  // SFT samples packed with segments, else the byte stream
 };
 
 class EpEqualsSingleProcess : public ::testing::TestWithParam<EpCase> {};
@@ -123,10 +152,10 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     GTEST_SKIP() << "ep_size " << c.ep_size << " does not fit " << world->size() << " ranks";
   }
   constexpr int64_t kMicro = 2;
-  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher);
+  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed);
   if (world->rank() != 0) return;
   Result single = Train(SmallRun(kMicro * world->size(), c.family),
-                        parallel::LocalCommunicator::Create(), 0, "alltoall");
+                        parallel::LocalCommunicator::Create(), 0, "alltoall", c.packed);
   ASSERT_EQ(multi.steps.size(), single.steps.size());
   for (size_t i = 0; i < single.steps.size(); ++i) {
     EXPECT_NEAR(multi.steps[i].loss, single.steps[i].loss, 1e-5 * single.steps[i].loss) << "step " << i;
@@ -159,10 +188,13 @@ INSTANTIATE_TEST_SUITE_P(All, EpEqualsSingleProcess,
                          ::testing::Values(EpCase{"alltoall", 0}, EpCase{"allgather", 0},
                                            EpCase{"alltoall", 2},
                                            EpCase{"alltoall", 0, "deepseek_v3"},
-                                           EpCase{"alltoall", 0, "glm4_moe"}),
+                                           EpCase{"alltoall", 0, "glm4_moe"},
+                                           EpCase{"alltoall", 0, "qwen3_moe", true},
+                                           EpCase{"alltoall", 0, "deepseek_v3", true}),
                          [](const auto& info) {
                            return info.param.family + "_" + info.param.dispatcher + "_ep" +
-                                  std::to_string(info.param.ep_size);
+                                  std::to_string(info.param.ep_size) +
+                                  (info.param.packed ? "_packed" : "");
                          });
 
 }  // namespace

@@ -250,13 +250,18 @@ TEST(Data, JsonlPacksAndMasks) {
     f << R"({"input_ids": [1, 2, 3, 4], "labels": [-100, -100, 3, 4]})" << "\n\n"
       << R"({"input_ids": [5, 6, 7, 8]})" << "\n";
   }
+  // Samples longer than a row are cut into pieces of 3, packed first fit:
+  // [1 2 3] [4] [5 6 7] [8] -> rows [1 2 3], [4 8 pad], [5 6 7]. More in
+  // packing_test.cc.
   auto d = TokenDataset::FromJsonl(path, 3, 10);
   ASSERT_TRUE(d.ok()) << d.status();
-  EXPECT_EQ(d->num_sequences(), 2);  // 8 tokens -> 2 x 3, tail of 2 dropped
-  Batch b = d->Gather({0, 1});
-  EXPECT_TRUE(at::equal(b.input_ids, at::tensor({1, 2, 3, 4, 5, 6}, at::kLong).view({2, 3})));
-  EXPECT_TRUE(at::equal(b.labels, at::tensor({-100, -100, 3, 4, 5, 6}, at::kLong).view({2, 3})));
-  EXPECT_EQ(CountTrainedTokens(b.labels), 3);  // positions 1..2 of each row, minus one -100
+  EXPECT_EQ(d->num_sequences(), 3);
+  Batch b = d->Gather({0, 1, 2});
+  EXPECT_TRUE(
+      at::equal(b.input_ids, at::tensor({1, 2, 3, 4, 8, 0, 5, 6, 7}, at::kLong).view({3, 3})));
+  EXPECT_TRUE(at::equal(b.labels, at::tensor({-100, -100, 3, -100, -100, -100, -100, 6, 7},
+                                             at::kLong).view({3, 3})));
+  EXPECT_EQ(CountTrainedTokens(b.labels), 3);  // 3 of row 0, 6 and 7 of row 2
 }
 
 }  // namespace

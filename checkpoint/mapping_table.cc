@@ -345,6 +345,9 @@ absl::StatusOr<MappingTable> ParseMappingTable(std::string_view text, std::strin
     }
     table.ignore.emplace_back(table_proto.ignore(ignore_idx));
   }
+  for (const std::string& pattern : table_proto.keep_float32()) {
+    table.keep_float32.emplace_back(pattern);
+  }
   return table;
 }
 

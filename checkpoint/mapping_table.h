@@ -99,6 +99,8 @@ struct MappingTable {
   std::string file;  // where the table came from, for messages
   std::vector<MappingRule> rules;
   std::vector<KeyPattern> ignore;
+  // Runtime tensors exported in float32 whatever the export dtype.
+  std::vector<KeyPattern> keep_float32;
 };
 
 // Parses a table in text format and checks it: every rule has a source; a target

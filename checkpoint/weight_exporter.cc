@@ -99,12 +99,21 @@ absl::StatusOr<ExportPlan> PlanExport(const MappingTable& table,
     }
   }
 
-  std::vector<TensorSize> sizes;
-  sizes.reserve(on_disk.size());
-  for (const auto& [name, tensor] : on_disk)
-    sizes.push_back({name, ExportBytes(tensor, options.dtype)});
   ExportPlan plan;
   plan.dtype = options.dtype;
+  for (const auto& [name, tensor] : on_disk) {
+    for (const KeyPattern& p : table.keep_float32) {
+      if (p.Match(name)) plan.keep_float32.insert(name);
+    }
+  }
+  // The dtype a tensor is written in: kept tensors in float32.
+  auto dtype_of = [&](const std::string& name) -> std::optional<at::ScalarType> {
+    if (plan.dtype && plan.keep_float32.contains(name)) return at::kFloat;
+    return plan.dtype;
+  };
+  std::vector<TensorSize> sizes;
+  sizes.reserve(on_disk.size());
+  for (const auto& [name, tensor] : on_disk) sizes.push_back({name, ExportBytes(tensor, dtype_of(name))});
   plan.sync = options.sync;
   if (sizes.empty()) return plan;
   MOEFIT_ASSIGN_OR_RETURN(ShardPlan shards,
@@ -114,7 +123,7 @@ absl::StatusOr<ExportPlan> PlanExport(const MappingTable& table,
     uint64_t num_bytes = 0;
     for (const std::string& name : shard_names) {
       const at::Tensor& tensor = on_disk.at(name);
-      num_bytes += ExportBytes(tensor, options.dtype);
+      num_bytes += ExportBytes(tensor, dtype_of(name));
       shard.push_back({name, tensor});
     }
     plan.shard_bytes.push_back(num_bytes);
@@ -151,7 +160,7 @@ absl::StatusOr<std::map<std::string, std::string>> WriteExportShards(
       at::Tensor tensor = t.tensor;
       if (plan.dtype && at::isFloatingType(tensor.scalar_type())) {
         try {
-          tensor = tensor.to(*plan.dtype);
+          tensor = tensor.to(plan.keep_float32.contains(t.name) ? at::kFloat : *plan.dtype);
         } catch (const c10::Error& e) {
           return absl::InvalidArgumentError(absl::StrCat((dir / file_name).string(), ": tensor \"",
                                                          t.name,

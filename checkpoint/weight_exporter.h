@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -66,6 +67,7 @@ struct ExportPlan {
   std::vector<uint64_t> shard_bytes;              // tensor bytes per local shard
   uint64_t total_bytes = 0;                       // sum of shard_bytes
   std::optional<at::ScalarType> dtype;            // from the options
+  std::set<std::string> keep_float32;             // on-disk names written in float32
   bool sync = true;
 
   int num_shards() const { return static_cast<int>(shards.size()); }

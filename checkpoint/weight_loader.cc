@@ -348,7 +348,7 @@ class Loader {
     return absl::OkStatus();
   }
 
-  // `model.layers.N.<anything>` with N >= options_.skip_layers_from.
+  // `model.layers.N.<anything>` with skip_layers_from <= N < skip_layers_until.
   bool IsSkippedLayer(std::string_view key) const {
     constexpr std::string_view kPrefix = "model.layers.";
     if (!options_.skip_layers_from || !key.starts_with(kPrefix)) return false;
@@ -360,7 +360,8 @@ class Loader {
       // Absurdly long numbers saturate rather than overflow.
       layer_idx = std::min<int64_t>(layer_idx * 10 + (c - '0'), int64_t{1} << 40);
     }
-    return layer_idx >= *options_.skip_layers_from;
+    return layer_idx >= *options_.skip_layers_from &&
+           (!options_.skip_layers_until || layer_idx < *options_.skip_layers_until);
   }
 
   // What a target the files do not produce at all would have been read from.

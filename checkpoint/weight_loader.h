@@ -84,6 +84,11 @@ struct LoadOptions {
   // The caller sets it to num_hidden_layers when config.json has
   // num_nextn_predict_layers > 0, whose modules follow the decoder layers.
   std::optional<int64_t> skip_layers_from;
+  // With skip_layers_from: only layers below this are skipped (the MTP layers
+  // are [num_hidden_layers, num_hidden_layers + num_nextn_predict_layers), so a
+  // model configured with fewer layers than its checkpoint still reports the
+  // other layers as unexpected). nullopt: every layer from skip_layers_from on.
+  std::optional<int64_t> skip_layers_until;
   // Runtime name -> the tensor to fill in place instead of a new one: a model
   // passes its own parameters, so that loading needs no second copy of the
   // weights to copy over. Each must be a contiguous CPU tensor of the target's

@@ -72,7 +72,10 @@ absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint:
   if (o.fp8_weight_block) options.fp8_block = *o.fp8_weight_block;
   // Multi-token-prediction layers follow the decoder layers (DeepSeek-V3's
   // model.layers.61, GLM-4.5's model.layers.92): skipped by name.
-  if (o.num_nextn_predict_layers > 0) options.skip_layers_from = o.num_hidden_layers;
+  if (o.num_nextn_predict_layers > 0) {
+    options.skip_layers_from = o.num_hidden_layers;
+    options.skip_layers_until = o.num_hidden_layers + o.num_nextn_predict_layers;
+  }
   const std::vector<Parameter> tensors_wanted = model.named_tensors();
   for (const Parameter& p : tensors_wanted) {
     options.expected[p.name] = {p.tensor.sizes().vec(), p.tensor.scalar_type()};
@@ -140,6 +143,15 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
     rope["partial_rotary_factor"] = o.partial_rotary_factor;
   }
   j["rope_parameters"] = rope;
+  // A model_type transformers does not know (kimi_k2) is loaded by the
+  // directory's own code, which reads the older rope_scaling key.
+  if (!o.hf_model_type.empty() && o.rope_scaling.type == "yarn") {
+    nlohmann::json legacy = rope;
+    legacy.erase("rope_theta");
+    legacy.erase("rope_type");
+    legacy["type"] = "yarn";
+    j["rope_scaling"] = legacy;
+  }
   j["tie_word_embeddings"] = o.tie_word_embeddings;
   j["max_position_embeddings"] = o.max_position_embeddings;
   j["initializer_range"] = o.initializer_range;

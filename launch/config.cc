@@ -242,10 +242,12 @@ absl::Status CheckUnsupportedValues(const std::string& path, const nlohmann::jso
       if (t != "full_attention") return bad("layer_types", "every layer must be full_attention");
     }
   }
-  if (j.contains("qk_head_dim") && j["qk_head_dim"].is_number_integer() &&
-      j.contains("qk_nope_head_dim") && j.contains("qk_rope_head_dim") &&
+  auto integer = [&](const char* key) {
+    return j.contains(key) && j[key].is_number_integer();
+  };
+  if (integer("qk_head_dim") && integer("qk_nope_head_dim") && integer("qk_rope_head_dim") &&
       j["qk_head_dim"].get<int64_t>() !=
-          j.value("qk_nope_head_dim", int64_t{0}) + j.value("qk_rope_head_dim", int64_t{0})) {
+          j["qk_nope_head_dim"].get<int64_t>() + j["qk_rope_head_dim"].get<int64_t>()) {
     return bad("qk_head_dim", "it must equal qk_nope_head_dim + qk_rope_head_dim");
   }
   return absl::OkStatus();
@@ -271,8 +273,9 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   // rope_scaling at the top level. Both end up in the same fields.
   if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {
     const nlohmann::json& rp = j["rope_parameters"];
+    // As transformers' standardize_rope_params: the value inside wins.
     for (const char* key : {"rope_theta", "partial_rotary_factor"}) {
-      if (rp.contains(key) && !j.contains(key)) j[key] = rp[key];
+      if (rp.contains(key) && !rp[key].is_null()) j[key] = rp[key];
     }
     if (!j.contains("rope_scaling") || j["rope_scaling"].is_null()) j["rope_scaling"] = rp;
   }
@@ -283,7 +286,10 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   // that apart from "not given" (which takes the family default).
   if (j.contains("q_lora_rank") && j["q_lora_rank"].is_null()) j["q_lora_rank"] = 0;
   // Family-specific key names (e.g. mixtral's num_local_experts).
-  if (const framework::ModelFamily* f = framework::FindModelFamily(j.value("model_type", ""));
+  const std::string model_type =
+      j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>()
+                                                              : "";
+  if (const framework::ModelFamily* f = framework::FindModelFamily(model_type);
       f != nullptr && f->from_hf_config != nullptr) {
     f->from_hf_config(j);
   }
@@ -363,37 +369,35 @@ absl::Status RequirePositive(const char* field, int64_t v) {
 
 // scoring_func / topk_method / groups / scaling / the balance losses.
 absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions& o) {
-  if (m.has_scoring_func()) {
-    if (m.scoring_func() == "softmax") {
-      o.scoring = framework::RouterScoring::kSoftmax;
-    } else if (m.scoring_func() == "sigmoid") {
-      o.scoring = framework::RouterScoring::kSigmoid;
-    } else {
-      return Invalid(absl::StrCat("model.scoring_func = '", m.scoring_func(),
-                                  "' is not supported (softmax or sigmoid)"));
-    }
+  // The family fixes the router kind, as transformers' classes do: deepseek_v3
+  // and glm4_moe always score with a sigmoid, pick with the correction bias
+  // and group-limited top-k; the others use a softmax and no groups.
+  const bool sigmoid = o.scoring == framework::RouterScoring::kSigmoid;
+  if (m.has_scoring_func() && m.scoring_func() != (sigmoid ? "sigmoid" : "softmax")) {
+    return Invalid(absl::StrCat("model.scoring_func = '", m.scoring_func(), "' is not supported for ",
+                                o.model_type, " (its router scores with a ",
+                                sigmoid ? "sigmoid" : "softmax", ")"));
   }
-  if (m.has_topk_method()) {
-    if (m.topk_method() == "noaux_tc") {
-      o.correction_bias = true;
-    } else if (m.topk_method() == "greedy") {
-      o.correction_bias = false;
-      o.n_group = o.topk_group = 1;  // plain top-k over all experts
-    } else if (m.topk_method() == "group_limited_greedy") {
-      o.correction_bias = false;
-    } else {
-      return Invalid(absl::StrCat("model.topk_method = '", m.topk_method(),
-                                  "' is not supported (noaux_tc, greedy or group_limited_greedy)"));
-    }
+  if (m.has_topk_method() && (!sigmoid || m.topk_method() != "noaux_tc")) {
+    return Invalid(absl::StrCat("model.topk_method = '", m.topk_method(), "' is not supported for ",
+                                o.model_type,
+                                sigmoid ? " (its router is noaux_tc: correction bias and groups)"
+                                        : " (its router is a plain softmax top-k)"));
   }
-  if (o.scoring == framework::RouterScoring::kSigmoid && m.has_router_aux_loss_coef() &&
-      m.router_aux_loss_coef() > 0) {
+  if (!sigmoid && (o.n_group != 1 || o.topk_group != 1 || o.routed_scaling_factor != 1.0)) {
+    return Invalid(absl::StrCat("model.n_group, topk_group and routed_scaling_factor apply to the "
+                                "sigmoid routers of deepseek_v3 and glm4_moe, not to ",
+                                o.model_type));
+  }
+  if (sigmoid && m.has_router_aux_loss_coef() && m.router_aux_loss_coef() > 0) {
     return Invalid("model.router_aux_loss_coef: the Switch balance loss needs softmax scores; "
                    "sigmoid routers use model.aux_loss_alpha (sequence-wise) and the correction "
                    "bias");
   }
-  if (o.correction_bias && o.scoring != framework::RouterScoring::kSigmoid) {
-    return Invalid("model.topk_method = 'noaux_tc' needs model.scoring_func = 'sigmoid'");
+  if (o.moe_layer_freq != 1) {
+    return Invalid(absl::StrCat("model.moe_layer_freq = ", o.moe_layer_freq,
+                                " is not supported: experts are in every layer from "
+                                "first_k_dense_replace on (as transformers builds these models)"));
   }
   MOEFIT_RETURN_IF_ERROR(RequirePositive("model.n_group", o.n_group));
   MOEFIT_RETURN_IF_ERROR(RequirePositive("model.topk_group", o.topk_group));
@@ -419,6 +423,10 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
   if (!(o.routed_scaling_factor > 0)) {
     return Invalid(absl::StrCat("model.routed_scaling_factor = ", o.routed_scaling_factor,
                                 " must be positive"));
+  }
+  if (!sigmoid && o.aux_loss_alpha > 0) {
+    return Invalid(absl::StrCat("model.aux_loss_alpha is the sequence-wise loss of sigmoid routers; ",
+                                o.model_type, " uses model.router_aux_loss_coef"));
   }
   if (o.aux_loss_alpha < 0) {
     return Invalid(absl::StrCat("model.aux_loss_alpha = ", o.aux_loss_alpha, " must be >= 0"));
@@ -456,6 +464,14 @@ absl::Status ResolveRope(const proto::ModelConfig& m, framework::ModelOptions& o
       }
       if (r.has_beta_fast() && r.beta_fast() != 0) s.beta_fast = r.beta_fast();
       if (r.has_beta_slow() && r.beta_slow() != 0) s.beta_slow = r.beta_slow();
+      if (!(s.beta_fast > 0) || !(s.beta_slow > 0)) {
+        return Invalid(absl::StrCat("model.rope_scaling.beta_fast = ", s.beta_fast,
+                                    " and beta_slow = ", s.beta_slow, " must be positive"));
+      }
+      if (!(o.rope_theta > 1)) {
+        return Invalid(absl::StrCat("model.rope_theta = ", o.rope_theta,
+                                    " must be above 1 with YaRN rotary scaling"));
+      }
       s.mscale = r.mscale();
       s.mscale_all_dim = r.mscale_all_dim();
       if (r.has_attention_factor()) s.attention_factor = r.attention_factor();

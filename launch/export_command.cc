@@ -38,7 +38,10 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
   // says otherwise); multi-token-prediction layers are left out.
   if (run.model.fp8_weight_block) lo.fp8_block = *run.model.fp8_weight_block;
   lo.dequantized_dtype = options.dtype.value_or(at::kBFloat16);
-  if (run.model.num_nextn_predict_layers > 0) lo.skip_layers_from = run.model.num_hidden_layers;
+  if (run.model.num_nextn_predict_layers > 0) {
+    lo.skip_layers_from = run.model.num_hidden_layers;
+    lo.skip_layers_until = run.model.num_hidden_layers + run.model.num_nextn_predict_layers;
+  }
   checkpoint::LoadReport report;
   MOEFIT_ASSIGN_OR_RETURN(auto tensors,
                           checkpoint::LoadCheckpoint(src, run.model.model_type, lo, &report));
@@ -50,6 +53,11 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
     // What is written is never quantized: the config must not say it is.
     const bool was_quantized = j.contains("quantization_config");
     j.erase("quantization_config");
+    // Nor does it hold the multi-token-prediction layers, which were skipped.
+    if (run.model.num_nextn_predict_layers > 0) {
+      j["num_nextn_predict_layers"] = 0;
+      j.erase("num_mtp_layers");
+    }
     if (options.dtype.has_value()) {
       j["torch_dtype"] = *options.dtype == at::kBFloat16 ? "bfloat16" : "float32";
     } else if (was_quantized) {

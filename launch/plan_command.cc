@@ -216,9 +216,11 @@ GpuMemory GpuMemoryFor(const ModelOptions& o, const framework::ParameterCounts& 
 // each; four exchanges per MoE layer (dispatch and combine, forward and backward).
 int64_t AllToAllBytesPerNode(const ModelOptions& o, const framework::ParameterCounts& c,
                              const PlanInputs& in, int64_t rows) {
-  const int64_t one_exchange =
-      rows * o.hidden_size * ExpertActivationBytes(in.expert_dtype) * (in.nodes - 1) / in.nodes;
-  return 4 * c.num_moe_layers * one_exchange;
+  // In double: rows x hidden x bytes x (N - 1) alone can pass int64 at the input limits.
+  const double one_exchange = static_cast<double>(rows) * static_cast<double>(o.hidden_size) *
+                              static_cast<double>(ExpertActivationBytes(in.expert_dtype)) *
+                              static_cast<double>(in.nodes - 1) / static_cast<double>(in.nodes);
+  return static_cast<int64_t>(std::llround(4.0 * static_cast<double>(c.num_moe_layers) * one_exchange));
 }
 
 std::string Count(double n) {
@@ -408,6 +410,10 @@ absl::Status CheckPlanInputs(const PlanInputs& in) {
     return absl::InvalidArgumentError(
         "--gpus-per-node x --micro-batch x --seq-len is implausibly large (over a billion tokens "
         "per node)");
+  }
+  if (in.lora_rank > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--lora-rank = ", in.lora_rank, " is implausibly large (over 65536)"));
   }
   if (in.expert_dtype == PlanDtype::kFp8 && in.mode == PlanMode::kFull) {
     return absl::InvalidArgumentError(

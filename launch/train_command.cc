@@ -44,8 +44,12 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
     MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*out.model, run.model_path, &report));
     log << absl::StrFormat("moefit: loaded %s: %d tensors, %.2f GB read by rank 0 in %.1f s",
                            run.model_path, report.num_tensors_read, report.num_bytes_read / 1e9,
-                           report.seconds)
-        << std::endl;
+                           report.seconds);
+    if (!report.skipped.empty()) {
+      log << absl::StrFormat("; %d tensors of the multi-token-prediction layers skipped",
+                             report.skipped.size());
+    }
+    log << std::endl;
   }
   // What this rank holds now (the weights, and the peak so far: after loading)
   // and what training will add to it.

@@ -50,7 +50,10 @@ void DeepseekMoeToHfConfig(const ModelOptions& o, nlohmann::json& j) {
   j["norm_topk_prob"] = o.norm_topk_prob;
   j["routed_scaling_factor"] = o.routed_scaling_factor;
   j["first_k_dense_replace"] = o.first_k_dense_replace;
-  j["num_nextn_predict_layers"] = o.num_nextn_predict_layers;
+  // moefit never holds the multi-token-prediction layers (skipped on load),
+  // so the directory it writes has none.
+  j["num_nextn_predict_layers"] = 0;
+  j.erase("num_mtp_layers");
 }
 
 const ModelFamily* FindModelFamily(std::string_view model_type) {

@@ -191,7 +191,7 @@ TEST(CountParameters, EqualsTheTensorsTheModelBuilds) {
        "model.first_k_dense_replace=1", "model.n_shared_experts=2"},
       {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0", "model.q_lora_rank=0",
        "model.kv_lora_rank=16", "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=8",
-       "model.v_head_dim=8", "model.n_group=1", "model.topk_group=1", "model.moe_layer_freq=2",
+       "model.v_head_dim=8", "model.n_group=1", "model.topk_group=1",
        "model.first_k_dense_replace=0"},
       {"model.model_type=glm4_moe", "model.router_aux_loss_coef=0", "model.attention_bias=true",
        "model.use_qk_norm=true", "model.first_k_dense_replace=2"},

@@ -166,12 +166,17 @@ constexpr char kDeepseekJson[] = R"({
   "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true,
   "v_head_dim": 16, "vocab_size": 300})";
 
+// `text` with the first `from` replaced by `to` (which must be there).
+std::string ReplaceFirst(std::string text, const std::string& from, const std::string& to) {
+  const size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  return at == std::string::npos ? text : text.substr(0, at) + to + text.substr(at + from.size());
+}
+
 std::string DeepseekJson(const std::string& name, const std::string& model_type,
                          const std::string& q_lora) {
-  std::string text = kDeepseekJson;
-  text.replace(text.find("MODEL_TYPE"), 10, model_type);
-  text.replace(text.find("Q_LORA"), 6, q_lora);
-  return WriteTemp(name, text);
+  return WriteTemp(name, ReplaceFirst(ReplaceFirst(kDeepseekJson, "MODEL_TYPE", model_type),
+                                      "Q_LORA", q_lora));
 }
 
 TEST(Config, DeepseekV3AndKimiK2ConfigJson) {
@@ -238,11 +243,9 @@ TEST(Config, Glm4MoeConfigJsonWithRopeParameters) {
 // The DeepSeek-V3 config.json above with one piece of text replaced.
 std::string DeepseekJsonWith(const std::string& name, const std::string& from,
                              const std::string& to) {
-  std::string text = kDeepseekJson;
-  text.replace(text.find("MODEL_TYPE"), 10, "deepseek_v3");
-  text.replace(text.find("Q_LORA"), 6, "24");
-  text.replace(text.find(from), from.size(), to);
-  return WriteTemp(name, text);
+  const std::string text =
+      ReplaceFirst(ReplaceFirst(kDeepseekJson, "MODEL_TYPE", "deepseek_v3"), "Q_LORA", "24");
+  return WriteTemp(name, ReplaceFirst(text, from, to));
 }
 
 TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
@@ -299,7 +302,23 @@ TEST(ConfigErrors, RouterSettings) {
             "model.num_experts_per_tok = 3 exceeds the 2 experts of the model.topk_group = 1 "
             "groups a token may use");
   EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.scoring_func=softmax"})),
-            "model.topk_method = 'noaux_tc' needs model.scoring_func = 'sigmoid'");
+            "model.scoring_func = 'softmax' is not supported for deepseek_v3 (its router scores "
+            "with a sigmoid)");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.topk_method=greedy"})),
+            "model.topk_method = 'greedy' is not supported for deepseek_v3 (its router is "
+            "noaux_tc: correction bias and groups)");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.moe_layer_freq=2"})),
+            "model.moe_layer_freq = 2 is not supported: experts are in every layer from "
+            "first_k_dense_replace on (as transformers builds these models)");
+  EXPECT_EQ(ErrorOf("", {"model.n_group=2"}),
+            "model.n_group, topk_group and routed_scaling_factor apply to the sigmoid routers of "
+            "deepseek_v3 and glm4_moe, not to qwen3_moe");
+  EXPECT_EQ(ErrorOf("", {"model.aux_loss_alpha=0.01"}),
+            "model.aux_loss_alpha is the sequence-wise loss of sigmoid routers; qwen3_moe uses "
+            "model.router_aux_loss_coef");
+  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.rope_scaling.rope_type=yarn",
+                              "model.rope_scaling.beta_fast=-1"})),
+            "model.rope_scaling.beta_fast = -1 and beta_slow = 1 must be positive");
   EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.qk_rope_head_dim=7"})),
             "model.qk_rope_head_dim = 7 must be even (rotary embedding)");
   EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "router.bias_update_rate=-1"})),

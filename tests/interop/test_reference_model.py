@@ -234,6 +234,7 @@ def test_fp8_checkpoint_with_mtp_layer_matches_dequantized_reference(build_dir, 
     tensors["model.layers.3.eh_proj.weight"] = torch.randn(64, 128)
     tensors["model.layers.3.enorm.weight"] = torch.ones(64)
     tensors["model.layers.3.shared_head.head.weight"] = torch.randn(300, 64)
+    quantized_names = [k[:-len("_scale_inv")] for k in tensors if k.endswith("_scale_inv")]
     fp8_dir = tmp_path / "fp8"
     fp8_dir.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, fp8_dir / "model.safetensors")
@@ -254,11 +255,23 @@ def test_fp8_checkpoint_with_mtp_layer_matches_dequantized_reference(build_dir, 
 
     # By default an FP8 checkpoint exports to bfloat16, as DeepSeek's own
     # conversion does; in float32 the dequantized values are kept exactly.
+    def written_tensors(d):
+        return {k: t for f in d.glob("*.safetensors") for k, t in load_file(f).items()}
+
     moefit(build_dir, "export", fp8_dir, tmp_path / "bf16", np=2)
     written = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert "quantization_config" not in written and written["torch_dtype"] == "bfloat16"
-    dtypes = {t.dtype for f in (tmp_path / "bf16").glob("*.safetensors") for t in load_file(f).values()}
-    assert torch.bfloat16 in dtypes and torch.float8_e4m3fn not in dtypes, dtypes
+    assert written["num_nextn_predict_layers"] == 0
+    tensors = written_tensors(tmp_path / "bf16")
+    assert not any(k.startswith("model.layers.3.") for k in tensors)  # the MTP layer is not kept
+    for name in quantized_names:  # FP8 weights come out bfloat16, the rest as stored
+        assert tensors[name].dtype == torch.bfloat16, name
+    # A bfloat16 save keeps the router float32, as transformers does: rounding
+    # the correction bias would change which experts are picked.
+    moefit(build_dir, "export", fp8_dir, tmp_path / "all_bf16", "--save-dtype", "bfloat16", np=2)
+    for name, t in written_tensors(tmp_path / "all_bf16").items():
+        router = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+        assert t.dtype == (torch.float32 if router else torch.bfloat16), (name, t.dtype)
     moefit(build_dir, "export", fp8_dir, tmp_path / "out", "--save-dtype", "float32", np=2)
     written = json.loads((tmp_path / "out" / "config.json").read_text())
     assert "quantization_config" not in written

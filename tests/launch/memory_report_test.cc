@@ -10,6 +10,7 @@
 
 #include "framework/model.h"
 #include "launch/plan_command.h"
+#include "tests/launch/toy_model.h"
 #include "parallel/local_communicator.h"
 
 namespace moefit::launch {
@@ -17,26 +18,7 @@ namespace {
 
 constexpr int64_t kMiB = int64_t{1} << 20;
 
-// The toy model of plan_test.cc: H 64, experts of width 32, 10 experts top-2,
-// 3 layers of which layer 1 is a dense MLP of width 96; GQA 4 heads x 16, 2 KV
-// heads, q/k norms; vocab 300, untied LM head.
-framework::ModelOptions Toy() {
-  framework::ModelOptions o;
-  o.model_type = "qwen3_moe";
-  o.vocab_size = 300;
-  o.hidden_size = 64;
-  o.intermediate_size = 96;
-  o.moe_intermediate_size = 32;
-  o.num_hidden_layers = 3;
-  o.num_attention_heads = 4;
-  o.num_key_value_heads = 2;
-  o.head_dim = 16;
-  o.num_experts = 10;
-  o.num_experts_per_tok = 2;
-  o.mlp_only_layers = {1};
-  o.qk_norm = true;
-  return o;
-}
+framework::ModelOptions Toy() { return testing::ToyModel(); }
 
 TEST(MemoryReport, ActivationEstimateByHand) {
   const framework::ModelOptions o = Toy();

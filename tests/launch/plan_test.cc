@@ -9,31 +9,14 @@
 #include <vector>
 
 #include "launch/plan_command.h"
+#include "tests/launch/toy_model.h"
 
 namespace moefit::launch {
 namespace {
 
 constexpr int64_t kGiB = int64_t{1} << 30;
 
-// H 64, experts of width 32, 10 experts top-2, 3 layers of which layer 1 is a
-// dense MLP of width 96; GQA 4 heads x 16, 2 KV heads; vocab 300.
-framework::ModelOptions Toy() {
-  framework::ModelOptions o;
-  o.model_type = "qwen3_moe";
-  o.vocab_size = 300;
-  o.hidden_size = 64;
-  o.intermediate_size = 96;
-  o.moe_intermediate_size = 32;
-  o.num_hidden_layers = 3;
-  o.num_attention_heads = 4;
-  o.num_key_value_heads = 2;
-  o.head_dim = 16;
-  o.num_experts = 10;
-  o.num_experts_per_tok = 2;
-  o.mlp_only_layers = {1};
-  o.qk_norm = true;
-  return o;
-}
+framework::ModelOptions Toy() { return testing::ToyModel(); }
 
 PlanInputs Cluster(PlanMode mode, PlanDtype dtype) {
   PlanInputs in;

@@ -280,3 +280,39 @@ def test_fp8_checkpoint_with_mtp_layer_matches_dequantized_reference(build_dir, 
     with torch.no_grad():
         err = (loaded(input_ids=ids).logits - expected).abs().max().item()
     assert err < TOLERANCE, f"exported: max |logit difference| {err:.3g}"
+
+
+def test_kimi_k2_config_loads_as_deepseek_v3_and_saves_under_its_name(build_dir, tmp_path):
+    """Kimi-K2's config.json names model_type kimi_k2 (served by its own code)
+    and writes YaRN the old way, as rope_scaling. moefit reads it as
+    deepseek_v3 (logits equal transformers' DeepseekV3 on the same weights),
+    and a trained save keeps model_type kimi_k2 and the rope_scaling key its
+    code reads."""
+    model = make_model("deepseek_v3", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    rope.pop("rope_type")
+    config["rope_scaling"] = dict(rope, type="yarn")
+    config["model_type"] = "kimi_k2"
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config"}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    ids = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits.float()
+    got = moefit_logits(build_dir, tmp_path / "hf", ids, tmp_path)
+    assert (got - expected).abs().max().item() < TOLERANCE
+
+    moefit(build_dir, "train", "--set", f"model.model_path={tmp_path / 'hf'}", "--set", "train.steps=2",
+           "--set", "train.seq_len=32", "--set", "train.micro_batch_size=1", "--set",
+           f"checkpoint.save_dir={tmp_path / 'trained'}", "--set", "logging.metrics_file=")
+    written = json.loads((tmp_path / "trained" / "config.json").read_text())
+    assert written["model_type"] == "kimi_k2" and written["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert written["rope_scaling"]["type"] == "yarn" and written["rope_scaling"]["factor"] == 4.0
+    assert written["rope_scaling"]["mscale_all_dim"] == 0.8
+    assert written["auto_map"] == config["auto_map"]
+    # Its weights are a deepseek_v3 checkpoint transformers loads as such.
+    written["model_type"] = "deepseek_v3"
+    (tmp_path / "trained" / "config.json").write_text(json.dumps(written))
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "trained", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -113,7 +113,8 @@ absl::StatusOr<ExportPlan> PlanExport(const MappingTable& table,
   };
   std::vector<TensorSize> sizes;
   sizes.reserve(on_disk.size());
-  for (const auto& [name, tensor] : on_disk) sizes.push_back({name, ExportBytes(tensor, dtype_of(name))});
+  for (const auto& [name, tensor] : on_disk)
+    sizes.push_back({name, ExportBytes(tensor, dtype_of(name))});
   plan.sync = options.sync;
   if (sizes.empty()) return plan;
   MOEFIT_ASSIGN_OR_RETURN(ShardPlan shards,

@@ -5,8 +5,9 @@
 // weights' expert count; counts.size() is a multiple of E). With E segments
 // this is rows grouped by expert; with W*E it is what an all-to-all delivers
 // (per source rank, grouped by expert), so no regrouping copy is needed. The
-// packed weights follow DESIGN.md: gate_up_proj [E, 2I, H] (gate rows first, then up) and
-// down_proj [E, H, I]. It computes, for each row a of expert e,
+// packed weights are transformers v5's layout: gate_up_proj [E, 2I, H] (gate
+// rows first, then up) and down_proj [E, H, I]. It computes, for each row a of
+// expert e,
 //     y[a] = down_e · (silu(gate_e · x[a]) ⊙ (up_e · x[a]))
 // and, on request, the gradients. Routing weights are NOT applied here: they
 // are applied on the token's home rank after combine, so that the router gets

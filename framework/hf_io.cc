@@ -62,20 +62,23 @@ absl::Status WriteTextFile(const fs::path& path, const std::string& text) {
 
 }  // namespace
 
+void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
+  if (o.fp8_weight_block) load.fp8_block = *o.fp8_weight_block;
+  // They follow the decoder layers: DeepSeek-V3's model.layers.61, GLM-4.5's
+  // model.layers.92.
+  if (o.num_nextn_predict_layers > 0) {
+    load.skip_layers_from = o.num_hidden_layers;
+    load.skip_layers_until = o.num_hidden_layers + o.num_nextn_predict_layers;
+  }
+}
+
 absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {
   const int ep_rank = model.runtime().expert_group->rank();
   checkpoint::LoadOptions options;
   options.first_expert = model.placement().first_expert(ep_rank);
   options.num_experts = model.placement().num_local(ep_rank);
   options.num_threads = model.runtime().expert_threads;
-  const ModelOptions& o = model.options();
-  if (o.fp8_weight_block) options.fp8_block = *o.fp8_weight_block;
-  // Multi-token-prediction layers follow the decoder layers (DeepSeek-V3's
-  // model.layers.61, GLM-4.5's model.layers.92): skipped by name.
-  if (o.num_nextn_predict_layers > 0) {
-    options.skip_layers_from = o.num_hidden_layers;
-    options.skip_layers_until = o.num_hidden_layers + o.num_nextn_predict_layers;
-  }
+  SetCheckpointFormat(model.options(), options);
   const std::vector<Parameter> tensors_wanted = model.named_tensors();
   for (const Parameter& p : tensors_wanted) {
     options.expected[p.name] = {p.tensor.sizes().vec(), p.tensor.scalar_type()};

@@ -22,6 +22,12 @@
 
 namespace moefit::framework {
 
+// What loading a checkpoint of a model with `options` needs whoever loads it:
+// the FP8 block size of its quantization_config, and its multi-token-
+// prediction layers [num_hidden_layers, + num_nextn_predict_layers) skipped by
+// name.
+void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& load);
+
 // Loads the weights of the HF directory `dir` into `model`. Missing,
 // unexpected or mis-shaped tensors fail with one message naming them. Host
 // tensors (the routed experts; the dense part on a CPU run) are filled in

@@ -43,6 +43,14 @@ parallel::ProcessGroups LocalGroups(const MoeModel& model) {
   return g;
 }
 
+// One per-layer tensor of the routing summed over the MoE layers (in layer order).
+at::Tensor SumOverLayers(const std::vector<MoeLayerRouting>& layers,
+                         at::Tensor MoeLayerRouting::*field) {
+  at::Tensor sum = layers[0].*field;
+  for (size_t l = 1; l < layers.size(); ++l) sum = sum + layers[l].*field;
+  return sum;
+}
+
 // Sums a small host tensor over `comm` (in place) and returns it.
 at::Tensor SumOver(parallel::Communicator& comm, at::Tensor t) {
   comm.AllReduce(t, parallel::ReduceOp::kSum)->WaitOrThrow();
@@ -172,10 +180,7 @@ StepStats Trainer::Step(int64_t step) {
         // HF's balance loss over all MoE layers' decisions on this micro-batch
         // of the global batch: counts and token totals are summed over ranks,
         // each rank adds its share of the probability mass.
-        at::Tensor prob_sum = out.moe_layers[0].prob_sum;
-        for (size_t l = 1; l < out.moe_layers.size(); ++l) {
-          prob_sum = prob_sum + out.moe_layers[l].prob_sum;
-        }
+        at::Tensor prob_sum = SumOverLayers(out.moe_layers, &MoeLayerRouting::prob_sum);
         // Every (token, layer) makes num_experts_per_tok assignments.
         const int64_t tokens =
             std::llround(layer_counts.sum().item<double>()) / mo.num_experts_per_tok;
@@ -188,11 +193,8 @@ StepStats Trainer::Step(int64_t step) {
       } else if (mo.aux_loss_alpha > 0) {
         // DeepSeek-V3's sequence-wise loss: per MoE layer, the mean over the
         // micro-batch's sequences (of all ranks); the layers' losses add up.
-        at::Tensor seq_sum = out.moe_layers[0].seq_balance_sum;
-        for (size_t l = 1; l < out.moe_layers.size(); ++l) {
-          seq_sum = seq_sum + out.moe_layers[l].seq_balance_sum;
-        }
-        at::Tensor aux = seq_sum / static_cast<double>(per_micro);
+        at::Tensor aux = SumOverLayers(out.moe_layers, &MoeLayerRouting::seq_balance_sum) /
+                         static_cast<double>(per_micro);
         aux_here += aux.item<double>();
         loss = loss + aux * (mo.aux_loss_alpha / static_cast<double>(o.grad_accum_steps));
       }

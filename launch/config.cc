@@ -7,6 +7,7 @@
 #include <google/protobuf/util/json_util.h>
 #include <torch/cuda.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -206,11 +207,9 @@ constexpr IgnoredKey kIgnoredKeys[] = {
     {"mlp_bias", "checked: false"},
 };
 
-const IgnoredKey* FindIgnored(const std::string& key) {
-  for (const IgnoredKey& k : kIgnoredKeys) {
-    if (key == k.key) return &k;
-  }
-  return nullptr;
+bool IsIgnored(const std::string& key) {
+  return std::any_of(std::begin(kIgnoredKeys), std::end(kIgnoredKeys),
+                     [&](const IgnoredKey& k) { return key == k.key; });
 }
 
 // The checked keys of kIgnoredKeys: values moefit does not implement stop the load.
@@ -255,12 +254,6 @@ absl::Status CheckUnsupportedValues(const std::string& path, const nlohmann::jso
 
 }  // namespace
 
-std::vector<std::pair<std::string, std::string>> IgnoredHfConfigKeys() {
-  std::vector<std::pair<std::string, std::string>> out;
-  for (const IgnoredKey& k : kIgnoredKeys) out.emplace_back(k.key, k.why);
-  return out;
-}
-
 absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model) {
   MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "model.config_json"));
   nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
@@ -302,7 +295,7 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   for (auto it = j.begin(); it != j.end(); ++it) {
     const pb::FieldDescriptor* f = d->FindFieldByName(it.key());
     if (f == nullptr || it.key() == "config_json" || it.key() == "model_path") {
-      if (FindIgnored(it.key()) != nullptr) continue;
+      if (IsIgnored(it.key())) continue;
       return absl::InvalidArgumentError(absl::StrCat(
           path, ": key \"", it.key(), "\" = ", it.value().dump(),
           " is not read by moefit (neither a model field nor on the documented ignore list); "
@@ -374,9 +367,9 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
   // and group-limited top-k; the others use a softmax and no groups.
   const bool sigmoid = o.scoring == framework::RouterScoring::kSigmoid;
   if (m.has_scoring_func() && m.scoring_func() != (sigmoid ? "sigmoid" : "softmax")) {
-    return Invalid(absl::StrCat("model.scoring_func = '", m.scoring_func(), "' is not supported for ",
-                                o.model_type, " (its router scores with a ",
-                                sigmoid ? "sigmoid" : "softmax", ")"));
+    return Invalid(absl::StrCat(
+        "model.scoring_func = '", m.scoring_func(), "' is not supported for ", o.model_type,
+        " (its router scores with a ", sigmoid ? "sigmoid" : "softmax", ")"));
   }
   if (m.has_topk_method() && (!sigmoid || m.topk_method() != "noaux_tc")) {
     return Invalid(absl::StrCat("model.topk_method = '", m.topk_method(), "' is not supported for ",
@@ -425,8 +418,9 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
                                 " must be positive"));
   }
   if (!sigmoid && o.aux_loss_alpha > 0) {
-    return Invalid(absl::StrCat("model.aux_loss_alpha is the sequence-wise loss of sigmoid routers; ",
-                                o.model_type, " uses model.router_aux_loss_coef"));
+    return Invalid(
+        absl::StrCat("model.aux_loss_alpha is the sequence-wise loss of sigmoid routers; ",
+                     o.model_type, " uses model.router_aux_loss_coef"));
   }
   if (o.aux_loss_alpha < 0) {
     return Invalid(absl::StrCat("model.aux_loss_alpha = ", o.aux_loss_alpha, " must be >= 0"));
@@ -447,7 +441,9 @@ absl::Status ResolveRope(const proto::ModelConfig& m, framework::ModelOptions& o
     if (r.has_partial_rotary_factor() && !m.has_partial_rotary_factor()) {
       o.partial_rotary_factor = r.partial_rotary_factor();
     }
-    const std::string type = r.has_rope_type() ? r.rope_type() : r.has_type() ? r.type() : "default";
+    const std::string type = r.has_rope_type() ? r.rope_type()
+                             : r.has_type()    ? r.type()
+                                               : "default";
     framework::RopeScaling& s = o.rope_scaling;
     if (type == "yarn") {
       s.type = "yarn";

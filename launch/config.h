@@ -37,13 +37,11 @@ absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
 absl::Status ApplyOverride(const std::string& assignment, proto::Config* config);
 
 // Fills `model` from an HF config.json: fields the model already has win.
-// Every key of the file is used, or on the ignore list below, or an error
-// naming it; values moefit does not implement (a rope_scaling type, a
-// non-silu activation, dropout, sliding windows) are errors too.
+// Every key of the file is used, or on the ignore list of config.cc (also in
+// the README), or an error naming it; values moefit does not implement (a
+// rope_scaling type, a non-silu activation, dropout, sliding windows) are
+// errors too.
 absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* model);
-
-// The config.json keys moefit reads nothing from, with the reason for each.
-std::vector<std::pair<std::string, std::string>> IgnoredHfConfigKeys();
 
 struct DataSpec {
   std::string format;  // "text" or "jsonl"

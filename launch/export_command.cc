@@ -36,12 +36,8 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
   lo.num_experts = placement.num_local(world->rank());
   // FP8 block-scaled weights are dequantized (to bfloat16 unless --save_dtype
   // says otherwise); multi-token-prediction layers are left out.
-  if (run.model.fp8_weight_block) lo.fp8_block = *run.model.fp8_weight_block;
+  framework::SetCheckpointFormat(run.model, lo);
   lo.dequantized_dtype = options.dtype.value_or(at::kBFloat16);
-  if (run.model.num_nextn_predict_layers > 0) {
-    lo.skip_layers_from = run.model.num_hidden_layers;
-    lo.skip_layers_until = run.model.num_hidden_layers + run.model.num_nextn_predict_layers;
-  }
   checkpoint::LoadReport report;
   MOEFIT_ASSIGN_OR_RETURN(auto tensors,
                           checkpoint::LoadCheckpoint(src, run.model.model_type, lo, &report));

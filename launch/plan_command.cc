@@ -220,7 +220,8 @@ int64_t AllToAllBytesPerNode(const ModelOptions& o, const framework::ParameterCo
   const double one_exchange = static_cast<double>(rows) * static_cast<double>(o.hidden_size) *
                               static_cast<double>(ExpertActivationBytes(in.expert_dtype)) *
                               static_cast<double>(in.nodes - 1) / static_cast<double>(in.nodes);
-  return static_cast<int64_t>(std::llround(4.0 * static_cast<double>(c.num_moe_layers) * one_exchange));
+  return static_cast<int64_t>(
+      std::llround(4.0 * static_cast<double>(c.num_moe_layers) * one_exchange));
 }
 
 std::string Count(double n) {

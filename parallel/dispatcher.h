@@ -2,7 +2,7 @@
 // rank that owns its expert, and the expert outputs back.
 //
 // Two dispatchers behind one interface (`parallel.dispatcher`):
-//   alltoall   (default) the RouterParallel scheme of DESIGN.md: global expert
+//   alltoall   (default) the RouterParallel scheme (router/router_parallel.h): global expert
 //              ids are remapped to (owner rank, local expert), assignments are
 //              sorted by that pair, per-(peer, local expert) counts are
 //              exchanged first, then the rows go with one all-to-all-v, and

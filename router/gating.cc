@@ -63,7 +63,8 @@ at::Tensor SequenceBalanceLossSum(const at::Tensor& scores, const at::Tensor& to
   const int64_t t = scores.size(0) / num_sequences;
   at::Tensor normalized = scores / scores.sum(-1, /*keepdim=*/true);
   at::Tensor p = normalized.view({num_sequences, t, num_experts}).mean(1);  // [S, E]
-  at::Tensor counts = at::zeros({num_sequences, num_experts}, scores.options().requires_grad(false));
+  at::Tensor counts =
+      at::zeros({num_sequences, num_experts}, scores.options().requires_grad(false));
   counts.scatter_add_(1, topk_idx.view({num_sequences, t * k}).to(scores.device()),
                       at::ones({num_sequences, t * k}, counts.options()));
   at::Tensor f = counts * (static_cast<double>(num_experts) / static_cast<double>(k * t));

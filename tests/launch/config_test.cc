@@ -249,7 +249,8 @@ std::string DeepseekJsonWith(const std::string& name, const std::string& from,
 }
 
 TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
-  std::string path = DeepseekJsonWith("k1.json", R"("ep_size": 1)", R"("attn_logit_softcapping": 30.0)");
+  std::string path =
+      DeepseekJsonWith("k1.json", R"("ep_size": 1)", R"("attn_logit_softcapping": 30.0)");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
             path + ": key \"attn_logit_softcapping\" = 30.0 is not read by moefit (neither a model "
                    "field nor on the documented ignore list); remove it if it does not change the "

@@ -98,7 +98,8 @@ TEST(SigmoidGroupTopK, OnlyTheBestGroupsAreEligible) {
   // top-2 are experts 2 and 3 (.6, .58), weights .6/1.18 and .58/1.18.
   at::Tensor logits = Logits({0.9, 0.1, 0.6, 0.58, 0.55, 0.55, 0.5, 0.45});
   TopKRouting r = SigmoidGroupTopK(
-      logits, {}, {.num_experts_per_tok = 2, .n_group = 4, .topk_group = 2, .norm_topk_prob = true});
+      logits, {},
+      {.num_experts_per_tok = 2, .n_group = 4, .topk_group = 2, .norm_topk_prob = true});
   at::Tensor idx = std::get<0>(r.topk_idx.sort(-1));
   EXPECT_EQ(idx[0][0].item<int64_t>(), 2);
   EXPECT_EQ(idx[0][1].item<int64_t>(), 3);

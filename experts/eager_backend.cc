@@ -6,6 +6,25 @@
 namespace moefit::experts {
 namespace {
 
+// s·(in·aᵀ)·bᵀ, the LoRA term of one projection, in the adapters' dtype.
+at::Tensor LoraTerm(const at::Tensor& in, const at::Tensor& a, const at::Tensor& b, double s) {
+  return at::matmul(at::matmul(in.to(a.scalar_type()), a.t()), b.t()) * s;
+}
+
+// base + term, summed in term's dtype and returned in base's.
+at::Tensor AddLora(const at::Tensor& base, const at::Tensor& term) {
+  return (base.to(term.scalar_type()) + term).to(base.scalar_type());
+}
+
+// The [n, 2I] gate/up pre-activations of rows `xe` of expert e.
+at::Tensor GateUp(const at::Tensor& xe, int64_t e, const ExpertWeights& w) {
+  at::Tensor gu = at::matmul(xe, w.gate_up_proj[e].t());
+  if (w.lora.has_gate_up()) {
+    gu = AddLora(gu, LoraTerm(xe, w.lora.gate_up_a[e], w.lora.gate_up_b[e], w.lora.scaling));
+  }
+  return gu;
+}
+
 class EagerBackend final : public ExpertBackend {
  public:
   std::string_view name() const override { return "eager"; }
@@ -13,32 +32,50 @@ class EagerBackend final : public ExpertBackend {
   at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                      const ExpertWeights& w, at::Tensor* activations) override {
     const int64_t inter = w.down_proj.size(2);
+    const ExpertLora& lora = w.lora;
     at::Tensor y = at::zeros({x.size(0), w.down_proj.size(1)}, x.options());
-    at::Tensor gate_up = at::zeros({x.size(0), 2 * inter}, x.options());
+    at::Tensor gate_up;
+    if (activations != nullptr) gate_up = at::zeros({x.size(0), 2 * inter}, x.options());
     const int64_t num_experts = w.gate_up_proj.size(0);
     int64_t row = 0;
     for (size_t s = 0; s < counts.size(); ++s) {
       const int64_t n = counts[s], e = static_cast<int64_t>(s) % num_experts;
       if (n == 0) continue;
       at::Tensor xe = x.narrow(0, row, n);
-      at::Tensor gu = at::matmul(xe, w.gate_up_proj[e].t());
+      at::Tensor gu = GateUp(xe, e, w);
       at::Tensor h = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-      y.narrow(0, row, n).copy_(at::matmul(h, w.down_proj[e].t()));
-      gate_up.narrow(0, row, n).copy_(gu);
+      at::Tensor ye = at::matmul(h, w.down_proj[e].t());
+      if (lora.has_down()) {
+        ye = AddLora(ye, LoraTerm(h, lora.down_a[e], lora.down_b[e], lora.scaling));
+      }
+      y.narrow(0, row, n).copy_(ye);
+      if (gate_up.defined()) gate_up.narrow(0, row, n).copy_(gu);
       row += n;
     }
-    *activations = gate_up;
+    if (activations != nullptr) *activations = gate_up;
     return y;
   }
 
   ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x,
                        const std::vector<int64_t>& counts, const ExpertWeights& w,
-                       const at::Tensor& activations) override {
+                       const at::Tensor& activations, const BackwardOptions& options) override {
     const int64_t inter = w.down_proj.size(2);
+    const ExpertLora& lora = w.lora;
+    const double scale = lora.scaling;
     ExpertGrads g;
     g.x = at::zeros_like(x);
-    g.gate_up_proj = at::zeros_like(w.gate_up_proj);
-    g.down_proj = at::zeros_like(w.down_proj);
+    if (options.base_weight_grads) {
+      g.gate_up_proj = at::zeros_like(w.gate_up_proj);
+      g.down_proj = at::zeros_like(w.down_proj);
+    }
+    if (lora.has_gate_up()) {
+      g.gate_up_a = at::zeros_like(lora.gate_up_a);
+      g.gate_up_b = at::zeros_like(lora.gate_up_b);
+    }
+    if (lora.has_down()) {
+      g.down_a = at::zeros_like(lora.down_a);
+      g.down_b = at::zeros_like(lora.down_b);
+    }
     const int64_t num_experts = w.gate_up_proj.size(0);
     int64_t row = 0;
     for (size_t s = 0; s < counts.size(); ++s) {
@@ -46,19 +83,38 @@ class EagerBackend final : public ExpertBackend {
       if (n == 0) continue;
       at::Tensor xe = x.narrow(0, row, n);
       at::Tensor dy = grad_y.narrow(0, row, n);
-      at::Tensor gu = activations.narrow(0, row, n);
+      at::Tensor gu = activations.defined() ? activations.narrow(0, row, n) : GateUp(xe, e, w);
       at::Tensor gate = gu.narrow(1, 0, inter);
       at::Tensor up = gu.narrow(1, inter, inter);
       at::Tensor sig = at::sigmoid(gate);
       at::Tensor act = gate * sig;  // silu(gate)
       at::Tensor h = act * up;
       at::Tensor dh = at::matmul(dy, w.down_proj[e]);
-      g.down_proj[e].add_(at::matmul(dy.t(), h));
+      if (lora.has_down()) {
+        const at::ScalarType dt = lora.down_a.scalar_type();
+        at::Tensor hl = h.to(dt), dyl = dy.to(dt);
+        at::Tensor ud = at::matmul(hl, lora.down_a[e].t());
+        g.down_b[e].add_(at::matmul(dyl.t(), ud) * scale);
+        at::Tensor dud = at::matmul(dyl, lora.down_b[e]) * scale;
+        g.down_a[e].add_(at::matmul(dud.t(), hl));
+        dh = AddLora(dh, at::matmul(dud, lora.down_a[e]));
+      }
+      if (options.base_weight_grads) g.down_proj[e].add_(at::matmul(dy.t(), h));
       at::Tensor d_gate = dh * up * (sig * (1 + gate * (1 - sig)));
       at::Tensor d_up = dh * act;
       at::Tensor d_gu = at::cat({d_gate, d_up}, 1);
-      g.gate_up_proj[e].add_(at::matmul(d_gu.t(), xe));
-      g.x.narrow(0, row, n).copy_(at::matmul(d_gu, w.gate_up_proj[e]));
+      if (options.base_weight_grads) g.gate_up_proj[e].add_(at::matmul(d_gu.t(), xe));
+      at::Tensor dx = at::matmul(d_gu, w.gate_up_proj[e]);
+      if (lora.has_gate_up()) {
+        const at::ScalarType dt = lora.gate_up_a.scalar_type();
+        at::Tensor xl = xe.to(dt), dgul = d_gu.to(dt);
+        at::Tensor ugu = at::matmul(xl, lora.gate_up_a[e].t());
+        g.gate_up_b[e].add_(at::matmul(dgul.t(), ugu) * scale);
+        at::Tensor dugu = at::matmul(dgul, lora.gate_up_b[e]) * scale;
+        g.gate_up_a[e].add_(at::matmul(dugu.t(), xl));
+        dx = AddLora(dx, at::matmul(dugu, lora.gate_up_a[e]));
+      }
+      g.x.narrow(0, row, n).copy_(dx);
       row += n;
     }
     return g;

@@ -13,6 +13,10 @@
 // are applied on the token's home rank after combine, so that the router gets
 // its gradient locally. Backends know nothing of ranks, files or routing.
 //
+// Optional LoRA adapters on the experts (ExpertLora) add a low-rank term to
+// the gate/up and down projections; the base weights may then be frozen
+// (BackwardOptions::base_weight_grads = false).
+//
 // Every backend has its own forward and backward; `eager` (a plain per-expert
 // loop) is the reference the others are tested against.
 #pragma once
@@ -27,16 +31,53 @@
 
 namespace moefit::experts {
 
+// LoRA adapters of one layer's local experts. With s = scaling, expert e's
+// projections become
+//     gate_up = x·gate_up_projᵀ + s·(x·gate_up_aᵀ)·gate_up_bᵀ
+//     y       = h·down_projᵀ    + s·(h·down_aᵀ)·down_bᵀ
+// computed as two thin GEMMs per projection, never materialising W + B·A. One
+// adapter covers the fused gate|up rows (as PEFT's target_parameters does on
+// transformers' fused experts.gate_up_proj). Either pair may be undefined: that
+// projection has no adapter. Each pair has its own rank r. The adapters are
+// float32 (float64 allowed with a float64 base), whatever the base dtype: the
+// low-rank branch runs in the adapters' dtype (inputs upcast) and is added to
+// the base output, so a bfloat16 base gets a float32 LoRA branch.
+struct ExpertLora {
+  at::Tensor gate_up_a;  // [E, r, H]
+  at::Tensor gate_up_b;  // [E, 2I, r]
+  at::Tensor down_a;     // [E, r, I]
+  at::Tensor down_b;     // [E, H, r]
+  double scaling = 1.0;  // PEFT's lora_alpha / r
+
+  bool has_gate_up() const { return gate_up_a.defined() && gate_up_b.defined(); }
+  bool has_down() const { return down_a.defined() && down_b.defined(); }
+  bool any() const { return has_gate_up() || has_down(); }
+};
+
 // Packed weights of one layer's local experts.
 struct ExpertWeights {
   at::Tensor gate_up_proj;  // [E, 2I, H]
   at::Tensor down_proj;     // [E, H, I]
+  ExpertLora lora;          // none by default
 };
 
 struct ExpertGrads {
   at::Tensor x;             // [A, H]
-  at::Tensor gate_up_proj;  // [E, 2I, H]
-  at::Tensor down_proj;     // [E, H, I]
+  at::Tensor gate_up_proj;  // [E, 2I, H]; undefined without base_weight_grads
+  at::Tensor down_proj;     // [E, H, I]; undefined without base_weight_grads
+  // LoRA gradients, in the adapters' dtype, defined where the adapter is;
+  // zero for experts with no rows.
+  at::Tensor gate_up_a;  // [E, r, H]
+  at::Tensor gate_up_b;  // [E, 2I, r]
+  at::Tensor down_a;     // [E, r, I]
+  at::Tensor down_b;     // [E, H, r]
+};
+
+struct BackwardOptions {
+  // Gradients of the base weights gate_up_proj and down_proj. false (a frozen
+  // base, LoRA fine-tuning): no weight-gradient GEMM runs for them at all, only
+  // dX and the LoRA gradients, and grads.gate_up_proj/down_proj are undefined.
+  bool base_weight_grads = true;
 };
 
 struct BackendOptions {
@@ -51,19 +92,26 @@ class ExpertBackend {
   // Registry name ("eager", "grouped", ...).
   virtual std::string_view name() const = 0;
 
-  // x: [A, H] with A = sum(counts) in segments (see above), same dtype and device as the weights
-  // (float32, bfloat16 or float64; CPU). Returns y [A, H]. `*activations`
-  // receives what Backward needs (the [A, 2I] gate/up pre-activations).
-  // bfloat16 inputs are multiplied with fp32 accumulation.
+  // x: [A, H] with A = sum(counts) in segments (see above), same dtype and
+  // device as the base weights (float32, bfloat16 or float64; CPU). Returns
+  // y [A, H]. `*activations` receives what Backward needs: the [A, 2I] gate/up
+  // pre-activations, LoRA term included. With activations == nullptr nothing is
+  // kept, and Backward recomputes them from x (expert recomputation: only the
+  // layer's input stays alive between forward and backward). bfloat16 inputs
+  // are multiplied with fp32 accumulation.
   virtual at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                              const ExpertWeights& weights, at::Tensor* activations) = 0;
 
-  // Gradients of sum(grad_y ⊙ y) with respect to x and both weight tensors,
-  // given the inputs of Forward and the activations it saved. Experts with no
-  // rows get zero weight gradients.
+  // Gradients of sum(grad_y ⊙ y) with respect to x, the base weights (unless
+  // options.base_weight_grads is false) and every defined LoRA tensor, given
+  // the inputs of Forward and the activations it saved, or an undefined
+  // tensor if it saved none. The low-rank intermediates (x·Aᵀ, h·Aᵀ) are
+  // recomputed here rather than saved. Experts with no rows get zero weight
+  // gradients.
   virtual ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x,
                                const std::vector<int64_t>& counts, const ExpertWeights& weights,
-                               const at::Tensor& activations) = 0;
+                               const at::Tensor& activations,
+                               const BackwardOptions& options = {}) = 0;
 };
 
 }  // namespace moefit::experts

@@ -6,7 +6,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <numeric>
+#include <optional>
 
 namespace moefit::experts {
 namespace {
@@ -30,17 +32,32 @@ class ComputeTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// Inputs: x, the base weights, the four LoRA tensors (empty optionals where
+// there is no adapter: autograd takes no undefined tensor as an input), then
+// the non-tensor arguments.
 class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
  public:
+  using Lora = std::optional<at::Tensor>;
+
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                            ExpertBackend* backend, const std::vector<int64_t>& counts) {
+                            const Lora& gate_up_a, const Lora& gate_up_b, const Lora& down_a,
+                            const Lora& down_b, double scaling, ExpertBackend* backend,
+                            const std::vector<int64_t>& counts, bool recompute,
+                            bool base_weight_grads) {
     ComputeTimer timer;
+    auto get = [](const Lora& t) { return t.has_value() ? *t : at::Tensor(); };
+    const ExpertWeights w{
+        gate_up_proj, down_proj,
+        ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling}};
     at::Tensor activations;
-    at::Tensor y = backend->Forward(x, counts, {gate_up_proj, down_proj}, &activations);
-    ctx->save_for_backward({x, gate_up_proj, down_proj, activations});
+    at::Tensor y = backend->Forward(x, counts, w, recompute ? nullptr : &activations);
+    ctx->save_for_backward({x, gate_up_proj, down_proj, w.lora.gate_up_a, w.lora.gate_up_b,
+                            w.lora.down_a, w.lora.down_b, activations});
     ctx->saved_data["backend"] = reinterpret_cast<int64_t>(backend);
     ctx->saved_data["counts"] = counts;
+    ctx->saved_data["scaling"] = scaling;
+    ctx->saved_data["base_weight_grads"] = base_weight_grads;
     return y;
   }
 
@@ -49,19 +66,52 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     const variable_list saved = ctx->get_saved_variables();
     auto* backend = reinterpret_cast<ExpertBackend*>(ctx->saved_data["backend"].toInt());
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
-    ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0],
-                                      counts, {saved[1], saved[2]}, saved[3]);
-    return {g.x, g.gate_up_proj, g.down_proj, at::Tensor(), at::Tensor()};
+    const ExpertWeights w{
+        saved[1], saved[2],
+        ExpertLora{saved[3], saved[4], saved[5], saved[6], ctx->saved_data["scaling"].toDouble()}};
+    BackwardOptions options;
+    options.base_weight_grads = ctx->saved_data["base_weight_grads"].toBool();
+    ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0], counts,
+                                      w, saved[7], options);
+    return {g.x,      g.gate_up_proj, g.down_proj,  g.gate_up_a,  g.gate_up_b,  g.down_a,
+            g.down_b, at::Tensor(),   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// Checks one LoRA pair against the base weights: a [E, r, in], b [E, out, r].
+void CheckLoraPair(const char* name, const at::Tensor& a, const at::Tensor& b, int64_t experts,
+                   int64_t in, int64_t out, const at::Tensor& base) {
+  TORCH_CHECK(a.defined() == b.defined(), "LoRA ", name, "_a and ", name,
+              "_b must be given together");
+  if (!a.defined()) return;
+  TORCH_CHECK(a.dim() == 3 && b.dim() == 3, "LoRA ", name, "_a must be [E, r, ", in, "] and ", name,
+              "_b [E, ", out, ", r]; got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(a.size(0) == experts && b.size(0) == experts, "LoRA ", name, " has ", a.size(0),
+              " and ", b.size(0), " experts, the base weights ", experts);
+  TORCH_CHECK(a.size(1) > 0 && a.size(1) == b.size(2), "LoRA ", name, " rank disagrees: ", name,
+              "_a ", a.sizes(), ", ", name, "_b ", b.sizes());
+  TORCH_CHECK(a.size(2) == in && b.size(1) == out, "LoRA ", name, "_a must be [E, r, ", in,
+              "] and ", name, "_b [E, ", out, ", r]; got ", a.sizes(), " and ", b.sizes());
+  TORCH_CHECK(at::isFloatingType(a.scalar_type()) && a.scalar_type() == b.scalar_type(), "LoRA ",
+              name, " tensors must share a floating dtype; got ", a.scalar_type(), " and ",
+              b.scalar_type());
+  TORCH_CHECK(a.scalar_type() == at::kFloat ||
+                  (a.scalar_type() == at::kDouble && base.scalar_type() == at::kDouble),
+              "LoRA ", name, " must be float32 (or float64 with a float64 base); got ",
+              a.scalar_type(), " with a ", base.scalar_type(), " base");
+  TORCH_CHECK(a.device() == base.device() && b.device() == base.device(), "LoRA ", name,
+              " must be on the base weights' device ", base.device());
+}
 
 }  // namespace
 
 double ExpertComputeSeconds() { return static_cast<double>(compute_ns.load()) * 1e-9; }
 
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
-                     const std::vector<int64_t>& counts, const at::Tensor& gate_up_proj,
-                     const at::Tensor& down_proj) {
+                     const std::vector<int64_t>& counts, const ExpertWeights& weights,
+                     const ExpertFfnOptions& options) {
+  const at::Tensor& gate_up_proj = weights.gate_up_proj;
+  const at::Tensor& down_proj = weights.down_proj;
   TORCH_CHECK(x.dim() == 2 && gate_up_proj.dim() == 3 && down_proj.dim() == 3,
               "expert inputs: x [A, H], gate_up_proj [E, 2I, H], down_proj [E, H, I]");
   TORCH_CHECK(gate_up_proj.size(0) > 0 &&
@@ -74,11 +124,33 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   TORCH_CHECK(x.scalar_type() == gate_up_proj.scalar_type() &&
                   x.scalar_type() == down_proj.scalar_type(),
               "expert input and weights must share a dtype");
-  TORCH_CHECK(gate_up_proj.size(1) == 2 * down_proj.size(2) &&
+  TORCH_CHECK(gate_up_proj.size(0) == down_proj.size(0) &&
+                  gate_up_proj.size(1) == 2 * down_proj.size(2) &&
                   gate_up_proj.size(2) == down_proj.size(1) && x.size(1) == down_proj.size(1),
-              "expert weight shapes disagree: gate_up_proj ", gate_up_proj.sizes(),
-              ", down_proj ", down_proj.sizes(), ", x ", x.sizes());
-  return ExpertFfnFunction::apply(x.contiguous(), gate_up_proj, down_proj, &backend, counts);
+              "expert weight shapes disagree: gate_up_proj ", gate_up_proj.sizes(), ", down_proj ",
+              down_proj.sizes(), ", x ", x.sizes());
+  const ExpertLora& lora = weights.lora;
+  const int64_t experts = gate_up_proj.size(0), hidden = down_proj.size(1);
+  const int64_t inter = down_proj.size(2);
+  CheckLoraPair("gate_up", lora.gate_up_a, lora.gate_up_b, experts, hidden, 2 * inter,
+                gate_up_proj);
+  CheckLoraPair("down", lora.down_a, lora.down_b, experts, inter, hidden, down_proj);
+  TORCH_CHECK(!lora.has_gate_up() || !lora.has_down() ||
+                  lora.gate_up_a.scalar_type() == lora.down_a.scalar_type(),
+              "LoRA gate_up and down tensors must share a dtype");
+  TORCH_CHECK(std::isfinite(lora.scaling), "LoRA scaling must be finite");
+  const bool base_weight_grads = gate_up_proj.requires_grad() || down_proj.requires_grad();
+  auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; };
+  return ExpertFfnFunction::apply(x.contiguous(), gate_up_proj, down_proj, opt(lora.gate_up_a),
+                                  opt(lora.gate_up_b), opt(lora.down_a), opt(lora.down_b),
+                                  lora.scaling, &backend, counts, options.recompute,
+                                  base_weight_grads);
+}
+
+at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
+                     const std::vector<int64_t>& counts, const at::Tensor& gate_up_proj,
+                     const at::Tensor& down_proj) {
+  return ExpertFfn(backend, x, counts, ExpertWeights{gate_up_proj, down_proj});
 }
 
 }  // namespace moefit::experts

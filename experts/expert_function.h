@@ -2,7 +2,8 @@
 //
 // Wraps an ExpertBackend's Forward/Backward so that autograd calls the
 // backend's own backward (not a graph of small ATen ops): one node per layer,
-// whose inputs are the grouped rows and the two packed weight tensors.
+// whose inputs are the grouped rows, the two packed weight tensors and the
+// layer's LoRA adapters, if any.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -14,9 +15,23 @@
 
 namespace moefit::experts {
 
-// y = backend(x, weights) with gradients to x, gate_up_proj and down_proj.
-// x must have the weights' dtype and device; `backend` must outlive the
-// backward pass.
+struct ExpertFfnOptions {
+  // Keep only x between forward and backward and recompute the [A, 2I] gate/up
+  // pre-activations in backward: less memory held across the step, for one
+  // more gate/up GEMM (two thirds of the forward's FLOPs).
+  bool recompute = false;
+};
+
+// y = backend(x, weights) with gradients to x, to the base weights when either
+// requires grad (otherwise no base weight-gradient work is done: a frozen
+// base), and to every defined LoRA tensor. x must have the base weights' dtype
+// and device, and y has it too; the LoRA tensors are float32 (or float64 with
+// a float64 base). `backend` must outlive the backward pass.
+at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
+                     const std::vector<int64_t>& counts, const ExpertWeights& weights,
+                     const ExpertFfnOptions& options = {});
+
+// The same without LoRA: ExpertFfn(backend, x, counts, {gate_up_proj, down_proj}).
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                      const std::vector<int64_t>& counts, const at::Tensor& gate_up_proj,
                      const at::Tensor& down_proj);

@@ -44,6 +44,27 @@ ExpertProblem MakeExpertProblem(const ExpertProblemShape& s, at::ScalarType dtyp
   return p;
 }
 
+ExpertLora MakeExpertLora(const ExpertProblemShape& s, const LoraSpec& spec, at::ScalarType dtype,
+                          uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t e = s.num_experts, r = spec.rank, h = s.hidden, i = s.intermediate;
+  auto normal = [&](std::vector<int64_t> sizes, int64_t fan_in) {
+    return (at::randn(sizes, gen, f32) / std::sqrt(static_cast<double>(fan_in))).to(dtype);
+  };
+  ExpertLora lora;
+  lora.scaling = spec.scaling;
+  if (spec.gate_up) {
+    lora.gate_up_a = normal({e, r, h}, h);
+    lora.gate_up_b = normal({e, 2 * i, r}, r);
+  }
+  if (spec.down) {
+    lora.down_a = normal({e, r, i}, i);
+    lora.down_b = normal({e, h, r}, r);
+  }
+  return lora;
+}
+
 double ExpertForwardFlops(const ExpertProblemShape& s) {
   const double rows = static_cast<double>(s.num_tokens * s.top_k);
   return 2.0 * rows * s.hidden * (2.0 * s.intermediate) + 2.0 * rows * s.intermediate * s.hidden;

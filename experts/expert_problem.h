@@ -42,6 +42,20 @@ struct ExpertProblem {
 ExpertProblem MakeExpertProblem(const ExpertProblemShape& shape, at::ScalarType dtype,
                                 uint64_t seed);
 
+// Which LoRA adapters MakeExpertLora makes, and their rank and scaling.
+struct LoraSpec {
+  int64_t rank = 4;
+  bool gate_up = true;
+  bool down = true;
+  double scaling = 2.0;
+};
+
+// Deterministic for a given seed: A ~N(0, 1/sqrt(fan_in)) and B ~N(0, 1/sqrt(r))
+// (B nonzero, unlike a fresh PEFT adapter, so that every gradient path is
+// exercised), in `dtype`, on the CPU; the pairs not in `spec` are undefined.
+ExpertLora MakeExpertLora(const ExpertProblemShape& shape, const LoraSpec& spec,
+                          at::ScalarType dtype, uint64_t seed);
+
 // Multiply-adds of forward and backward: 2*A*H*(2I) + 2*A*I*H forward, twice that backward.
 double ExpertForwardFlops(const ExpertProblemShape& shape);
 

@@ -123,6 +123,65 @@ void SiluMulBackward(const at::Tensor& gate_up, const at::Tensor& dh, const at::
   }
 }
 
+// s·(in·m) in m's dtype (the adapters'), `in` upcast to it: the [n, r] low-rank
+// intermediates of a LoRA branch and their gradients. Always a fresh tensor,
+// so that a recomputed value is bitwise the value first computed.
+at::Tensor ScaledMm(const at::Tensor& in, const at::Tensor& m, double s) {
+  return at::mm(in.to(m.scalar_type()), m).mul_(s);
+}
+
+// out += u·m with u and m in the adapters' dtype: fused into one addmm when out
+// has that dtype too, otherwise summed in it and rounded once to out's dtype.
+void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
+  if (out.scalar_type() == m.scalar_type()) {
+    out.addmm_(u, m);
+  } else {
+    out.add_(at::mm(u, m));
+  }
+}
+
+// The gate/up pre-activations of one tile of expert e, LoRA term included,
+// written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
+// without a gate_up adapter).
+at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t) {
+  MmInto(gu_t, x_t, w.gate_up_proj[e].t());
+  if (!w.lora.has_gate_up()) return {};
+  at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
+  AddMm(gu_t, u, w.lora.gate_up_b[e].t());
+  return u;
+}
+
+// out = Σ over segments of a_segᵀ · b_seg, in out's dtype (the base weights').
+void BaseGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+              const std::vector<Tile>& segments) {
+  bool first = true;
+  for (const Tile& seg : segments) {
+    at::Tensor a_seg = a.narrow(0, seg.begin, seg.size).t();
+    at::Tensor b_seg = b.narrow(0, seg.begin, seg.size);
+    if (first) {
+      MmInto(out, a_seg, b_seg);
+      first = false;
+    } else {
+      out.addmm_(a_seg, b_seg);
+    }
+  }
+}
+
+// out (zero on entry) += Σ over segments of a_segᵀ · b_seg in out's dtype (the
+// adapters'), upcasting a and b in chunks of rows to bound the temporaries.
+void LoraGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+              const std::vector<Tile>& segments) {
+  constexpr int64_t kChunkRows = 1024;
+  const at::ScalarType dtype = out.scalar_type();
+  for (const Tile& seg : segments) {
+    for (int64_t r = 0; r < seg.size; r += kChunkRows) {
+      const int64_t n = std::min(kChunkRows, seg.size - r);
+      out.addmm_(a.narrow(0, seg.begin + r, n).to(dtype).t(),
+                 b.narrow(0, seg.begin + r, n).to(dtype));
+    }
+  }
+}
+
 class GroupedBackend final : public ExpertBackend {
  public:
   explicit GroupedBackend(const BackendOptions& options)
@@ -134,6 +193,7 @@ class GroupedBackend final : public ExpertBackend {
   at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
                      const ExpertWeights& w, at::Tensor* activations) override {
     const int64_t rows = x.size(0), inter = w.down_proj.size(2);
+    const ExpertLora& lora = w.lora;
     at::Tensor gate_up = at::empty({rows, 2 * inter}, x.options());
     at::Tensor h = at::empty({rows, inter}, x.options());
     at::Tensor y = at::empty({rows, w.down_proj.size(1)}, x.options());
@@ -141,49 +201,111 @@ class GroupedBackend final : public ExpertBackend {
         RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
+      const int64_t e = tile.expert;
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       at::Tensor h_t = h.narrow(0, tile.begin, tile.size);
-      MmInto(gu_t, x.narrow(0, tile.begin, tile.size), w.gate_up_proj[tile.expert].t());
+      at::Tensor y_t = y.narrow(0, tile.begin, tile.size);
+      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMul",
                                      [&] { SiluMul<scalar_t>(gu_t, h_t); });
-      MmInto(y.narrow(0, tile.begin, tile.size), h_t, w.down_proj[tile.expert].t());
+      MmInto(y_t, h_t, w.down_proj[e].t());
+      if (lora.has_down()) {
+        AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
+      }
     });
-    *activations = gate_up;
+    if (activations != nullptr) *activations = gate_up;
     return y;
   }
 
   ExpertGrads Backward(const at::Tensor& grad_y_in, const at::Tensor& x,
                        const std::vector<int64_t>& counts, const ExpertWeights& w,
-                       const at::Tensor& activations) override {
+                       const at::Tensor& activations, const BackwardOptions& options) override {
     const int64_t rows = x.size(0), inter = w.down_proj.size(2);
     const int64_t hidden = w.down_proj.size(1);
+    const ExpertLora& lora = w.lora;
+    const double scale = lora.scaling;
+    const bool base = options.base_weight_grads;
+    const bool lora_gu = lora.has_gate_up(), lora_down = lora.has_down();
     at::Tensor grad_y = grad_y_in.contiguous();
-    at::Tensor h = at::empty({rows, inter}, x.options());
-    at::Tensor dh = at::empty({rows, inter}, x.options());
-    at::Tensor d_gate_up = at::empty({rows, 2 * inter}, x.options());
+    // Without saved activations, phase 1 recomputes them tile by tile.
+    at::Tensor gate_up =
+        activations.defined() ? activations : at::empty({rows, 2 * inter}, x.options());
+    // h and d_gate_up are kept whole only when phase 2 reads them; otherwise
+    // each tile uses scratch.
+    at::Tensor h, d_gate_up;
+    if (base || lora_down) h = at::empty({rows, inter}, x.options());
+    if (base || lora_gu) d_gate_up = at::empty({rows, 2 * inter}, x.options());
+    // The [A, r] low-rank intermediates, recomputed in phase 1 for phase 2:
+    // u_gu = s·x·Aguᵀ, du_gu = s·dgu·Bgu, u_down = s·h·Adᵀ, du_down = s·dy·Bd.
+    at::Tensor u_gu, du_gu, u_down, du_down;
     ExpertGrads g;
     g.x = at::empty_like(x);
-    g.gate_up_proj = at::zeros_like(w.gate_up_proj);
-    g.down_proj = at::zeros_like(w.down_proj);
+    if (base) {
+      g.gate_up_proj = at::zeros_like(w.gate_up_proj);
+      g.down_proj = at::zeros_like(w.down_proj);
+    }
+    if (lora_gu) {
+      const at::TensorOptions o = lora.gate_up_a.options();
+      u_gu = at::empty({rows, lora.gate_up_a.size(1)}, o);
+      du_gu = at::empty({rows, lora.gate_up_a.size(1)}, o);
+      g.gate_up_a = at::zeros_like(lora.gate_up_a);
+      g.gate_up_b = at::zeros_like(lora.gate_up_b);
+    }
+    if (lora_down) {
+      const at::TensorOptions o = lora.down_a.options();
+      u_down = at::empty({rows, lora.down_a.size(1)}, o);
+      du_down = at::empty({rows, lora.down_a.size(1)}, o);
+      g.down_a = at::zeros_like(lora.down_a);
+      g.down_b = at::zeros_like(lora.down_b);
+    }
 
-    // Phase 1, per row tile: dh, the fused SwiGLU derivative, dx.
+    // Phase 1, per row tile: (gate/up if recomputed), dh, the fused SwiGLU
+    // derivative, dx, each with its LoRA term, and the low-rank intermediates.
     const int64_t num_experts = w.gate_up_proj.size(0);
     const std::vector<Tile> tiles = RowTiles(counts, num_experts, TileRows(rows, num_threads_));
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
-      at::Tensor dh_t = dh.narrow(0, tile.begin, tile.size);
-      at::Tensor dgu_t = d_gate_up.narrow(0, tile.begin, tile.size);
-      MmInto(dh_t, grad_y.narrow(0, tile.begin, tile.size), w.down_proj[tile.expert]);
-      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMulBackward", [&] {
-        SiluMulBackward<scalar_t>(activations.narrow(0, tile.begin, tile.size), dh_t,
-                                  h.narrow(0, tile.begin, tile.size), dgu_t);
-      });
-      MmInto(g.x.narrow(0, tile.begin, tile.size), dgu_t, w.gate_up_proj[tile.expert]);
+      const int64_t e = tile.expert;
+      auto rows_of = [&](const at::Tensor& full, int64_t cols) {
+        return full.defined() ? full.narrow(0, tile.begin, tile.size)
+                              : at::empty({tile.size, cols}, x.options());
+      };
+      at::Tensor x_t = x.narrow(0, tile.begin, tile.size);
+      at::Tensor dy_t = grad_y.narrow(0, tile.begin, tile.size);
+      at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
+      if (!activations.defined()) {
+        at::Tensor u = GateUpTile(x_t, e, w, gu_t);
+        if (lora_gu) u_gu.narrow(0, tile.begin, tile.size).copy_(u);
+      } else if (lora_gu) {
+        u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
+      }
+      at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
+      MmInto(dh_t, dy_t, w.down_proj[e]);
+      if (lora_down) {
+        at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
+        AddMm(dh_t, du, lora.down_a[e]);
+        du_down.narrow(0, tile.begin, tile.size).copy_(du);
+      }
+      at::Tensor h_t = rows_of(h, inter);
+      at::Tensor dgu_t = rows_of(d_gate_up, 2 * inter);
+      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMulBackward",
+                                     [&] { SiluMulBackward<scalar_t>(gu_t, dh_t, h_t, dgu_t); });
+      if (lora_down) {
+        u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
+      }
+      at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
+      MmInto(dx_t, dgu_t, w.gate_up_proj[e]);
+      if (lora_gu) {
+        at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
+        AddMm(dx_t, du, lora.gate_up_a[e]);
+        du_gu.narrow(0, tile.begin, tile.size).copy_(du);
+      }
     });
 
-    // Phase 2, per (expert, block of weight rows): dW = d_out^T · in summed
-    // over the expert's segments. Splitting the output rows keeps a hot expert
-    // parallel.
+    // Phase 2, per (expert, gradient, block of its long dimension): each
+    // weight gradient is d_outᵀ · in summed over the expert's segments.
+    // Splitting the long dimension keeps a hot expert parallel. With a frozen
+    // base only the (cheap, rank-r) LoRA gradients run.
     std::vector<std::vector<Tile>> segments(num_experts);  // per expert: its row ranges
     int64_t row = 0;
     for (size_t s = 0; s < counts.size(); ++s) {
@@ -193,34 +315,55 @@ class GroupedBackend final : public ExpertBackend {
       }
       row += counts[s];
     }
+    enum class Grad { kDown, kGateUp, kDownA, kDownB, kGateUpA, kGateUpB };
     struct WeightTile {
-      bool down;  // down_proj rows (else gate_up_proj rows)
+      Grad grad;
       int64_t expert, begin, size;
     };
     std::vector<WeightTile> wtiles;
     constexpr int64_t kWeightRows = 512;
+    auto add_blocks = [&](Grad grad, int64_t e, int64_t extent) {
+      for (int64_t r = 0; r < extent; r += kWeightRows)
+        wtiles.push_back({grad, e, r, std::min(kWeightRows, extent - r)});
+    };
     for (int64_t e = 0; e < num_experts; ++e) {
       if (segments[e].empty()) continue;
-      for (int64_t r = 0; r < hidden; r += kWeightRows)
-        wtiles.push_back({true, e, r, std::min(kWeightRows, hidden - r)});
-      for (int64_t r = 0; r < 2 * inter; r += kWeightRows)
-        wtiles.push_back({false, e, r, std::min(kWeightRows, 2 * inter - r)});
+      if (base) {
+        add_blocks(Grad::kDown, e, hidden);
+        add_blocks(Grad::kGateUp, e, 2 * inter);
+      }
+      if (lora_down) {
+        add_blocks(Grad::kDownB, e, hidden);
+        add_blocks(Grad::kDownA, e, inter);
+      }
+      if (lora_gu) {
+        add_blocks(Grad::kGateUpB, e, 2 * inter);
+        add_blocks(Grad::kGateUpA, e, hidden);
+      }
     }
     RunTiles(wtiles.size(), [&](size_t t) {
       const WeightTile& wt = wtiles[t];
-      const at::Tensor& d_out = wt.down ? grad_y : d_gate_up;
-      const at::Tensor& in = wt.down ? h : x;
-      at::Tensor out = (wt.down ? g.down_proj : g.gate_up_proj)[wt.expert].narrow(0, wt.begin, wt.size);
-      bool first = true;
-      for (const Tile& seg : segments[wt.expert]) {
-        at::Tensor a = d_out.narrow(0, seg.begin, seg.size).narrow(1, wt.begin, wt.size).t();
-        at::Tensor b = in.narrow(0, seg.begin, seg.size);
-        if (first) {
-          MmInto(out, a, b);
-          first = false;
-        } else {
-          out.addmm_(a, b);
-        }
+      const std::vector<Tile>& segs = segments[wt.expert];
+      const int64_t e = wt.expert, b = wt.begin, n = wt.size;
+      switch (wt.grad) {
+        case Grad::kDown:  // dyᵀ · h
+          BaseGrad(g.down_proj[e].narrow(0, b, n), grad_y.narrow(1, b, n), h, segs);
+          break;
+        case Grad::kGateUp:  // dguᵀ · x
+          BaseGrad(g.gate_up_proj[e].narrow(0, b, n), d_gate_up.narrow(1, b, n), x, segs);
+          break;
+        case Grad::kDownB:  // s·dyᵀ · (h·Adᵀ)
+          LoraGrad(g.down_b[e].narrow(0, b, n), grad_y.narrow(1, b, n), u_down, segs);
+          break;
+        case Grad::kDownA:  // (s·dy·Bd)ᵀ · h
+          LoraGrad(g.down_a[e].narrow(1, b, n), du_down, h.narrow(1, b, n), segs);
+          break;
+        case Grad::kGateUpB:  // s·dguᵀ · (x·Aguᵀ)
+          LoraGrad(g.gate_up_b[e].narrow(0, b, n), d_gate_up.narrow(1, b, n), u_gu, segs);
+          break;
+        case Grad::kGateUpA:  // (s·dgu·Bgu)ᵀ · x
+          LoraGrad(g.gate_up_a[e].narrow(1, b, n), du_gu, x.narrow(1, b, n), segs);
+          break;
       }
     });
     return g;

@@ -7,9 +7,19 @@
 // --inter=768 --experts=32 --top_k=8, routing uniform or --pattern=skewed
 // (Zipf-like: a few hot experts); the problems are the ones the backend tests
 // check (experts/expert_problem.h).
+//
+// LoRA: forward + backward of the same layer on the `grouped` backend with
+// rank --lora_rank=8 adapters on both projections and a frozen base (no base
+// weight gradients), with saved and with recomputed activations, against full
+// fine-tuning (base weight gradients, no adapters), all three timed in turn in
+// each iteration; reported as ratios to the full step. These use
+// --lora_tokens=512 tokens (the other dimensions as above) so that the default
+// run stays short.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -25,6 +35,8 @@ namespace moefit::experts {
 namespace {
 
 ExpertProblemShape g_shape{"layer", 4096, 2048, 768, 32, 8, RoutingPattern::kUniform};
+int64_t g_lora_rank = 8;
+int64_t g_lora_tokens = 512;
 // Reports `flops` per iteration as a GFLOP/s rate.
 void Record(benchmark::State& state, double flops) {
   state.counters["GFLOP/s"] =
@@ -45,6 +57,50 @@ void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::Scala
     benchmark::DoNotOptimize(g.x.data_ptr());
   }
   Record(state, 3.0 * ExpertForwardFlops(g_shape));
+}
+
+// Full fine-tuning vs LoRA on a frozen base, see the top of the file. The
+// iteration time is the sum of the three steps; the counters give each step's
+// mean time and the ratios to the full step.
+void BM_LoraStep(benchmark::State& state, at::ScalarType dtype) {
+  ExpertProblemShape shape = g_shape;
+  shape.num_tokens = g_lora_tokens;
+  ExpertProblem p = MakeExpertProblem(shape, dtype, 0);
+  const ExpertLora lora = MakeExpertLora(shape, {.rank = g_lora_rank}, at::kFloat, 1);
+  auto backend = CreateExpertBackend("grouped", {});
+  if (!backend.ok()) {
+    state.SkipWithError(std::string(backend.status().message()).c_str());
+    return;
+  }
+  const ExpertWeights full{p.gate_up_proj, p.down_proj};
+  const ExpertWeights with_lora{p.gate_up_proj, p.down_proj, lora};
+  // Seconds of one forward + backward.
+  auto step = [&](const ExpertWeights& w, bool base_weight_grads, bool recompute) {
+    const auto start = std::chrono::steady_clock::now();
+    at::Tensor act;
+    at::Tensor y = (*backend)->Forward(p.x, p.counts, w, recompute ? nullptr : &act);
+    ExpertGrads g = (*backend)->Backward(p.grad_y, p.x, p.counts, w, act,
+                                         {.base_weight_grads = base_weight_grads});
+    benchmark::DoNotOptimize(g.x.data_ptr());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  step(full, true, false);  // warm-up: first touch of the buffers
+  double full_s = 0, lora_s = 0, recompute_s = 0;
+  for (auto _ : state) {
+    const double f = step(full, true, false);
+    const double l = step(with_lora, false, false);
+    const double r = step(with_lora, false, true);
+    full_s += f;
+    lora_s += l;
+    recompute_s += r;
+    state.SetIterationTime(f + l + r);
+  }
+  state.counters["full_ms"] = benchmark::Counter(full_s * 1e3, benchmark::Counter::kAvgIterations);
+  state.counters["lora_ms"] = benchmark::Counter(lora_s * 1e3, benchmark::Counter::kAvgIterations);
+  state.counters["lora_recompute_ms"] =
+      benchmark::Counter(recompute_s * 1e3, benchmark::Counter::kAvgIterations);
+  state.counters["lora/full"] = lora_s / full_s;
+  state.counters["lora_recompute/full"] = recompute_s / full_s;
 }
 
 // One [M, K] x [K, N] GEMM with the FLOPs of forward + backward of the layer.
@@ -68,8 +124,9 @@ class TableReporter : public benchmark::ConsoleReporter {
     for (const Run& r : runs) {
       auto it = r.counters.find("GFLOP/s");
       std::string name = r.benchmark_name();
-      name = name.substr(0, name.find("/min_time"));
+      name = name.substr(0, std::min(name.find("/min_time"), name.find("/iterations")));
       if (it != r.counters.end()) rates_[name] = it->second.value;
+      if (r.counters.count("lora/full")) lora_[name] = r.counters;
     }
   }
   void PrintTable() const {
@@ -84,10 +141,22 @@ class TableReporter : public benchmark::ConsoleReporter {
       std::printf("%-24s %10.1f %20.2f\n", name.c_str(), rate,
                   ceiling != rates_.end() && ceiling->second > 0 ? rate / ceiling->second : 0.0);
     }
+    if (lora_.empty()) return;
+    std::printf(
+        "\ngrouped fwd+bwd, LoRA rank %ld on a frozen base vs full fine-tuning, tokens=%ld\n",
+        (long)g_lora_rank, (long)g_lora_tokens);
+    std::printf("%-16s %10s %10s %10s %18s %20s\n", "benchmark", "full ms", "lora ms", "lora/full",
+                "lora+recompute ms", "lora+recompute/full");
+    for (const auto& [name, c] : lora_) {
+      std::printf("%-16s %10.1f %10.1f %10.2f %18.1f %20.2f\n", name.c_str(), c.at("full_ms").value,
+                  c.at("lora_ms").value, c.at("lora/full").value, c.at("lora_recompute_ms").value,
+                  c.at("lora_recompute/full").value);
+    }
   }
 
  private:
   std::map<std::string, double> rates_;
+  std::map<std::string, benchmark::UserCounters> lora_;  // the LoRA benchmarks' counters
 };
 
 }  // namespace
@@ -112,7 +181,8 @@ int main(int argc, char** argv) {
     }
     if (take("--tokens", &g_shape.num_tokens) || take("--hidden", &g_shape.hidden) ||
         take("--inter", &g_shape.intermediate) || take("--experts", &g_shape.num_experts) ||
-        take("--top_k", &g_shape.top_k)) {
+        take("--top_k", &g_shape.top_k) || take("--lora_rank", &moefit::experts::g_lora_rank) ||
+        take("--lora_tokens", &moefit::experts::g_lora_tokens)) {
       continue;
     }
     rest.push_back(argv[i]);
@@ -133,6 +203,13 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(2.0);
+  }
+  for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
+    benchmark::RegisterBenchmark((std::string("lora/") + dname).c_str(),
+                                 moefit::experts::BM_LoraStep, dtype)
+        ->Unit(benchmark::kMillisecond)
+        ->UseManualTime()
+        ->Iterations(3);
   }
   benchmark::Initialize(&rest_argc, rest.data());
   moefit::experts::TableReporter reporter;

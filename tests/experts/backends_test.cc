@@ -1,9 +1,13 @@
-// Every expert backend against the eager reference (forward and backward), and
-// the eager backend's own backward against finite differences in double.
+// Every expert backend against the eager reference (forward and backward, with
+// and without LoRA adapters, frozen or trained base, saved or recomputed
+// activations), and the backward passes against finite differences in double.
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <tuple>
+#include <vector>
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
@@ -34,6 +38,59 @@ const std::vector<ExpertProblemShape>& Cases() {
       {"tiny", 1, 8, 4, 3, 1, RoutingPattern::kUniform},
   };
   return cases;
+}
+
+// The LoRA variants checked: both adapters, gate/up only, down only.
+const std::vector<LoraSpec>& LoraSpecs() {
+  static const std::vector<LoraSpec> specs = {
+      {.rank = 4, .gate_up = true, .down = true, .scaling = 2.0},
+      {.rank = 3, .gate_up = true, .down = false, .scaling = 0.5},
+      {.rank = 5, .gate_up = false, .down = true, .scaling = 1.0},
+  };
+  return specs;
+}
+
+ExpertWeights Weights(const ExpertProblem& p, const ExpertLora& lora = {}) {
+  return {p.gate_up_proj, p.down_proj, lora};
+}
+
+// The LoRA gradients of `a` and `b` are defined for the same adapters and
+// agree to `tol` (RelErr).
+void ExpectLoraGradsNear(const ExpertGrads& a, const ExpertGrads& b, double tol,
+                         const std::string& what) {
+  const std::vector<std::pair<const char*, std::pair<at::Tensor, at::Tensor>>> pairs = {
+      {"gate_up_a", {a.gate_up_a, b.gate_up_a}},
+      {"gate_up_b", {a.gate_up_b, b.gate_up_b}},
+      {"down_a", {a.down_a, b.down_a}},
+      {"down_b", {a.down_b, b.down_b}}};
+  for (const auto& [name, t] : pairs) {
+    ASSERT_EQ(t.first.defined(), t.second.defined()) << what << " " << name;
+    if (t.first.defined()) {
+      EXPECT_LT(RelErr(t.first, t.second), tol) << what << " " << name;
+    }
+  }
+}
+
+// Every defined gradient of `a` equals the one of `b` bit for bit.
+void ExpectGradsEqual(const ExpertGrads& a, const ExpertGrads& b, const std::string& what) {
+  const std::vector<std::pair<const char*, std::pair<at::Tensor, at::Tensor>>> pairs = {
+      {"x", {a.x, b.x}},
+      {"gate_up_proj", {a.gate_up_proj, b.gate_up_proj}},
+      {"down_proj", {a.down_proj, b.down_proj}},
+      {"gate_up_a", {a.gate_up_a, b.gate_up_a}},
+      {"gate_up_b", {a.gate_up_b, b.gate_up_b}},
+      {"down_a", {a.down_a, b.down_a}},
+      {"down_b", {a.down_b, b.down_b}}};
+  for (const auto& [name, t] : pairs) {
+    ASSERT_EQ(t.first.defined(), t.second.defined()) << what << " " << name;
+    if (t.first.defined()) {
+      EXPECT_TRUE(at::equal(t.first, t.second)) << what << " " << name;
+    }
+  }
+}
+
+std::string SpecName(const ExpertProblemShape& shape, const LoraSpec& spec) {
+  return shape.name + (spec.gate_up ? " gate_up" : "") + (spec.down ? " down" : "");
 }
 
 class BackendsAgree : public ::testing::TestWithParam<std::tuple<std::string, size_t>> {};
@@ -85,7 +142,8 @@ TEST_P(BackendsAgree, Bf16CloseToFp32Reference) {
 
 // The same rows in 2E segments (each expert's first half of rows, for every
 // expert, then the second halves: what an all-to-all from two ranks delivers)
-// give the same outputs row for row and the same weight gradients.
+// give the same outputs row for row and the same weight gradients, with and
+// without LoRA adapters.
 TEST_P(BackendsAgree, SegmentedRowsMatchExpertMajorRows) {
   const auto& [name, case_idx] = GetParam();
   const ExpertProblemShape& shape = Cases()[case_idx];
@@ -104,18 +162,180 @@ TEST_P(BackendsAgree, SegmentedRowsMatchExpertMajorRows) {
   at::Tensor idx = at::tensor(perm, at::kLong);
   auto ref = Backend("eager");
   auto fast = Backend(name);
-  at::Tensor act_ref, act_seg;
-  at::Tensor y_ref = ref->Forward(p.x, p.counts, {p.gate_up_proj, p.down_proj}, &act_ref);
   at::Tensor x_seg = p.x.index_select(0, idx), gy_seg = p.grad_y.index_select(0, idx);
-  at::Tensor y_seg = fast->Forward(x_seg, seg_counts, {p.gate_up_proj, p.down_proj}, &act_seg);
-  EXPECT_LT(RelErr(y_seg, y_ref.index_select(0, idx)), 1e-5) << shape.name;
-  ExpertGrads g_ref =
-      ref->Backward(p.grad_y, p.x, p.counts, {p.gate_up_proj, p.down_proj}, act_ref);
-  ExpertGrads g_seg =
-      fast->Backward(gy_seg, x_seg, seg_counts, {p.gate_up_proj, p.down_proj}, act_seg);
-  EXPECT_LT(RelErr(g_seg.x, g_ref.x.index_select(0, idx)), 1e-5) << shape.name;
-  EXPECT_LT(RelErr(g_seg.gate_up_proj, g_ref.gate_up_proj), 1e-5) << shape.name;
-  EXPECT_LT(RelErr(g_seg.down_proj, g_ref.down_proj), 1e-5) << shape.name;
+  const LoraSpec spec{.rank = 3};
+  for (const ExpertLora& lora : {ExpertLora{}, MakeExpertLora(shape, spec, at::kFloat, 556)}) {
+    const std::string what = shape.name + (lora.any() ? " lora" : "");
+    const ExpertWeights w{p.gate_up_proj, p.down_proj, lora};
+    at::Tensor act_ref, act_seg;
+    at::Tensor y_ref = ref->Forward(p.x, p.counts, w, &act_ref);
+    at::Tensor y_seg = fast->Forward(x_seg, seg_counts, w, &act_seg);
+    EXPECT_LT(RelErr(y_seg, y_ref.index_select(0, idx)), 1e-5) << what;
+    ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, w, act_ref);
+    ExpertGrads g_seg = fast->Backward(gy_seg, x_seg, seg_counts, w, act_seg);
+    EXPECT_LT(RelErr(g_seg.x, g_ref.x.index_select(0, idx)), 1e-5) << what;
+    EXPECT_LT(RelErr(g_seg.gate_up_proj, g_ref.gate_up_proj), 1e-5) << what;
+    EXPECT_LT(RelErr(g_seg.down_proj, g_ref.down_proj), 1e-5) << what;
+    ExpectLoraGradsNear(g_seg, g_ref, 1e-5, what);
+  }
+}
+
+TEST_P(BackendsAgree, LoraMatchesEagerInFp32) {
+  const auto& [name, case_idx] = GetParam();
+  const ExpertProblemShape& shape = Cases()[case_idx];
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 321 + case_idx);
+  auto ref = Backend("eager");
+  auto fast = Backend(name);
+  for (const LoraSpec& spec : LoraSpecs()) {
+    const std::string what = SpecName(shape, spec);
+    const ExpertWeights w = Weights(p, MakeExpertLora(shape, spec, at::kFloat, 77 + case_idx));
+    at::Tensor act_ref, act_fast;
+    at::Tensor y_ref = ref->Forward(p.x, p.counts, w, &act_ref);
+    at::Tensor y_fast = fast->Forward(p.x, p.counts, w, &act_fast);
+    EXPECT_LT(RelErr(y_fast, y_ref), 1e-5) << what;
+    EXPECT_LT(RelErr(act_fast, act_ref), 1e-5) << what;
+    ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, w, act_ref);
+    ExpertGrads g_fast = fast->Backward(p.grad_y, p.x, p.counts, w, act_fast);
+    EXPECT_LT(RelErr(g_fast.x, g_ref.x), 1e-5) << what;
+    EXPECT_LT(RelErr(g_fast.gate_up_proj, g_ref.gate_up_proj), 1e-5) << what;
+    EXPECT_LT(RelErr(g_fast.down_proj, g_ref.down_proj), 1e-5) << what;
+    ExpectLoraGradsNear(g_fast, g_ref, 1e-5, what);
+    EXPECT_EQ(g_fast.gate_up_a.defined(), spec.gate_up) << what;
+    EXPECT_EQ(g_fast.down_b.defined(), spec.down) << what;
+    // Experts that received no rows get exactly zero LoRA gradients.
+    for (size_t e = 0; e < p.counts.size(); ++e) {
+      if (p.counts[e] != 0) continue;
+      for (const at::Tensor& t :
+           {g_fast.gate_up_a, g_fast.gate_up_b, g_fast.down_a, g_fast.down_b}) {
+        if (t.defined()) {
+          EXPECT_EQ(t[e].abs().max().item<float>(), 0.0f) << what;
+        }
+      }
+    }
+  }
+}
+
+// Weights wider than the grouped backend's 512-row weight-gradient blocks: the
+// base and LoRA gradients are assembled from several blocks per expert.
+TEST(GroupedLora, WideWeightsSplitIntoBlocks) {
+  const ExpertProblemShape shape{"wide", 40, 600, 300, 3, 2, RoutingPattern::kSkewed};
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 61);
+  const ExpertWeights w = Weights(p, MakeExpertLora(shape, {.rank = 6}, at::kFloat, 62));
+  auto ref = Backend("eager");
+  auto fast = Backend("grouped");
+  at::Tensor act_ref, act_fast;
+  ref->Forward(p.x, p.counts, w, &act_ref);
+  fast->Forward(p.x, p.counts, w, &act_fast);
+  ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, w, act_ref);
+  ExpertGrads g_fast = fast->Backward(p.grad_y, p.x, p.counts, w, act_fast);
+  EXPECT_LT(RelErr(g_fast.x, g_ref.x), 1e-5);
+  EXPECT_LT(RelErr(g_fast.gate_up_proj, g_ref.gate_up_proj), 1e-5);
+  EXPECT_LT(RelErr(g_fast.down_proj, g_ref.down_proj), 1e-5);
+  ExpectLoraGradsNear(g_fast, g_ref, 1e-5, shape.name);
+}
+
+// A bfloat16 base with float32 adapters: the LoRA branch runs in fp32, the
+// outputs and dx are bfloat16, the LoRA gradients float32 and close to the
+// all-fp32 reference.
+TEST_P(BackendsAgree, LoraOnBf16BaseCloseToFp32Reference) {
+  const auto& [name, case_idx] = GetParam();
+  const ExpertProblemShape& shape = Cases()[case_idx];
+  ExpertProblem p32 = MakeExpertProblem(shape, at::kFloat, 41 + case_idx);
+  ExpertProblem p16 = MakeExpertProblem(shape, at::kBFloat16, 41 + case_idx);
+  auto ref = Backend("eager");
+  auto fast = Backend(name);
+  for (const LoraSpec& spec : LoraSpecs()) {
+    const std::string what = SpecName(shape, spec);
+    const ExpertLora lora = MakeExpertLora(shape, spec, at::kFloat, 5 + case_idx);
+    at::Tensor act32, act16;
+    at::Tensor y32 = ref->Forward(p32.x, p32.counts, Weights(p32, lora), &act32);
+    at::Tensor y16 = fast->Forward(p16.x, p16.counts, Weights(p16, lora), &act16);
+    EXPECT_EQ(y16.scalar_type(), at::kBFloat16);
+    EXPECT_LT(RelErr(y16, y32), 3e-2) << what;
+    ExpertGrads g32 = ref->Backward(p32.grad_y, p32.x, p32.counts, Weights(p32, lora), act32);
+    ExpertGrads g16 = fast->Backward(p16.grad_y, p16.x, p16.counts, Weights(p16, lora), act16);
+    EXPECT_EQ(g16.x.scalar_type(), at::kBFloat16);
+    EXPECT_LT(RelErr(g16.x, g32.x), 3e-2) << what;
+    for (const at::Tensor& t : {g16.gate_up_a, g16.gate_up_b, g16.down_a, g16.down_b}) {
+      if (t.defined()) {
+        EXPECT_EQ(t.scalar_type(), at::kFloat) << what;
+      }
+    }
+    ExpectLoraGradsNear(g16, g32, 3e-2, what);
+  }
+}
+
+// A frozen base (no base weight gradients) changes nothing else: dx and the
+// LoRA gradients are bitwise those of the full backward.
+TEST_P(BackendsAgree, FrozenBaseGivesTheSameLoraGrads) {
+  const auto& [name, case_idx] = GetParam();
+  const ExpertProblemShape& shape = Cases()[case_idx];
+  auto backend = Backend(name);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    ExpertProblem p = MakeExpertProblem(shape, dtype, 11 + case_idx);
+    for (const LoraSpec& spec : LoraSpecs()) {
+      const std::string what = SpecName(shape, spec) + " " + at::toString(dtype);
+      const ExpertWeights w = Weights(p, MakeExpertLora(shape, spec, at::kFloat, 12 + case_idx));
+      at::Tensor act;
+      backend->Forward(p.x, p.counts, w, &act);
+      ExpertGrads full = backend->Backward(p.grad_y, p.x, p.counts, w, act);
+      ExpertGrads frozen =
+          backend->Backward(p.grad_y, p.x, p.counts, w, act, {.base_weight_grads = false});
+      EXPECT_FALSE(frozen.gate_up_proj.defined()) << what;
+      EXPECT_FALSE(frozen.down_proj.defined()) << what;
+      full.gate_up_proj = full.down_proj = at::Tensor();
+      ExpectGradsEqual(frozen, full, what);
+    }
+  }
+}
+
+// Recomputing the gate/up activations in backward (Forward keeps nothing)
+// gives bitwise the outputs and gradients of the saved path.
+TEST_P(BackendsAgree, RecomputeIsBitwiseTheSavedPath) {
+  const auto& [name, case_idx] = GetParam();
+  const ExpertProblemShape& shape = Cases()[case_idx];
+  auto backend = Backend(name);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    ExpertProblem p = MakeExpertProblem(shape, dtype, 21 + case_idx);
+    std::vector<ExpertLora> loras = {ExpertLora{}};
+    for (const LoraSpec& spec : LoraSpecs())
+      loras.push_back(MakeExpertLora(shape, spec, at::kFloat, 22 + case_idx));
+    for (const ExpertLora& lora : loras) {
+      for (bool base_grads : {true, false}) {
+        const std::string what = shape.name + " " + at::toString(dtype) +
+                                 (lora.has_gate_up() ? " gate_up" : "") +
+                                 (lora.has_down() ? " down" : "") + (base_grads ? "" : " frozen");
+        const ExpertWeights w = Weights(p, lora);
+        at::Tensor act;
+        at::Tensor y_saved = backend->Forward(p.x, p.counts, w, &act);
+        at::Tensor y_recomputed = backend->Forward(p.x, p.counts, w, nullptr);
+        EXPECT_TRUE(at::equal(y_saved, y_recomputed)) << what;
+        const BackwardOptions options{.base_weight_grads = base_grads};
+        ExpertGrads saved = backend->Backward(p.grad_y, p.x, p.counts, w, act, options);
+        ExpertGrads recomputed =
+            backend->Backward(p.grad_y, p.x, p.counts, w, at::Tensor(), options);
+        ExpectGradsEqual(recomputed, saved, what);
+      }
+    }
+  }
+}
+
+// Zero B matrices (a fresh PEFT adapter) leave the forward bitwise the base one.
+TEST_P(BackendsAgree, ZeroLoraBIsBitwiseTheBaseForward) {
+  const auto& [name, case_idx] = GetParam();
+  const ExpertProblemShape& shape = Cases()[case_idx];
+  auto backend = Backend(name);
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    ExpertProblem p = MakeExpertProblem(shape, dtype, 31 + case_idx);
+    ExpertLora lora = MakeExpertLora(shape, LoraSpecs()[0], at::kFloat, 32 + case_idx);
+    lora.gate_up_b.zero_();
+    lora.down_b.zero_();
+    at::Tensor act_base, act_lora;
+    at::Tensor y_base = backend->Forward(p.x, p.counts, Weights(p), &act_base);
+    at::Tensor y_lora = backend->Forward(p.x, p.counts, Weights(p, lora), &act_lora);
+    EXPECT_TRUE(at::equal(y_lora, y_base)) << shape.name << " " << at::toString(dtype);
+    EXPECT_TRUE(at::equal(act_lora, act_base)) << shape.name << " " << at::toString(dtype);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(All, BackendsAgree,
@@ -163,6 +383,106 @@ TEST_P(Gradcheck, MatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, Gradcheck, ::testing::Values("eager", "grouped"));
+
+// The LoRA gradients (and dx) through ExpertFfn against central finite
+// differences of L = sum(y * grad_y) in double precision, at random elements of
+// each tensor; with the base trained or frozen, activations saved or
+// recomputed, and counts with and without idle experts.
+class LoraGradcheck : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LoraGradcheck, MatchesFiniteDifferences) {
+  ExpertProblemShape shape{"gc", 6, 5, 4, 3, 2, RoutingPattern::kSomeEmpty};
+  ExpertProblem p = MakeExpertProblem(shape, at::kDouble, 17);
+  ExpertLora lora_p = MakeExpertLora(shape, {.rank = 2, .scaling = 1.5}, at::kDouble, 18);
+  shape.pattern = RoutingPattern::kUniform;
+  ExpertProblem q = MakeExpertProblem(shape, at::kDouble, 19);  // every expert busy
+  ExpertLora lora_q = MakeExpertLora(shape, {.rank = 3, .scaling = 0.5}, at::kDouble, 20);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(23);
+  auto backend = Backend(GetParam());
+  for (auto [prob, lora0] : {std::pair{&p, &lora_p}, std::pair{&q, &lora_q}}) {
+    for (bool frozen : {false, true}) {
+      for (bool recompute : {false, true}) {
+        const std::string what =
+            std::string(frozen ? "frozen" : "trained") + (recompute ? " recompute" : " saved");
+        at::Tensor x = prob->x.clone().requires_grad_(true);
+        at::Tensor gu = prob->gate_up_proj.clone().requires_grad_(!frozen);
+        at::Tensor dn = prob->down_proj.clone().requires_grad_(!frozen);
+        ExpertLora lora = *lora0;
+        for (at::Tensor* t : {&lora.gate_up_a, &lora.gate_up_b, &lora.down_a, &lora.down_b})
+          *t = t->clone().requires_grad_(true);
+        at::Tensor loss =
+            (ExpertFfn(*backend, x, prob->counts, {gu, dn, lora}, {.recompute = recompute}) *
+             prob->grad_y)
+                .sum();
+        loss.backward();
+        EXPECT_EQ(gu.grad().defined(), !frozen) << what;
+        auto eval = [&] {
+          ExpertWeights w{gu.detach(), dn.detach(), lora};
+          for (at::Tensor* t :
+               {&w.lora.gate_up_a, &w.lora.gate_up_b, &w.lora.down_a, &w.lora.down_b})
+            *t = t->detach();
+          return (backend->Forward(x.detach(), prob->counts, w, nullptr) * prob->grad_y)
+              .sum()
+              .item<double>();
+        };
+        const double eps = 1e-6;
+        for (at::Tensor* t : {&x, &lora.gate_up_a, &lora.gate_up_b, &lora.down_a, &lora.down_b}) {
+          ASSERT_TRUE(t->grad().defined()) << what;
+          at::Tensor flat = t->detach().view({-1});
+          at::Tensor analytic = t->grad().view({-1});
+          at::Tensor probes = at::randint(flat.numel(), {3}, gen, at::kLong);
+          for (int64_t k = 0; k < probes.numel(); ++k) {
+            const int64_t i = probes[k].item<int64_t>();
+            const double orig = flat[i].item<double>();
+            flat[i] = orig + eps;
+            const double plus = eval();
+            flat[i] = orig - eps;
+            const double minus = eval();
+            flat[i] = orig;
+            EXPECT_NEAR(analytic[i].item<double>(), (plus - minus) / (2 * eps), 1e-6)
+                << what << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, LoraGradcheck, ::testing::Values("eager", "grouped"));
+
+// ExpertFfn refuses LoRA tensors that do not fit the base weights.
+TEST(ExpertFfnChecks, RejectsMismatchedLora) {
+  const ExpertProblemShape shape{"bad", 4, 8, 4, 2, 1, RoutingPattern::kUniform};
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 1);
+  auto backend = Backend("eager");
+  auto message = [&](const ExpertLora& lora) -> std::string {
+    try {
+      ExpertFfn(*backend, p.x, p.counts, {p.gate_up_proj, p.down_proj, lora});
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  };
+  const ExpertLora good = MakeExpertLora(shape, {.rank = 2}, at::kFloat, 2);
+  EXPECT_EQ(message(good), "");
+  ExpertLora bad = good;
+  bad.gate_up_b = at::zeros({2, 8, 3});
+  EXPECT_NE(message(bad).find("LoRA gate_up rank disagrees"), std::string::npos);
+  bad = good;
+  bad.down_a = at::zeros({3, 2, 4});
+  EXPECT_NE(message(bad).find("experts"), std::string::npos);
+  bad = good;
+  bad.down_b = at::Tensor();
+  EXPECT_NE(message(bad).find("must be given together"), std::string::npos);
+  bad = good;
+  bad.gate_up_a = good.gate_up_a.to(at::kBFloat16);
+  bad.gate_up_b = good.gate_up_b.to(at::kBFloat16);
+  EXPECT_NE(message(bad).find("must be float32"), std::string::npos);
+  bad = good;
+  bad.down_a = good.down_a.to(at::kInt);
+  bad.down_b = good.down_b.to(at::kInt);
+  EXPECT_NE(message(bad).find("floating dtype"), std::string::npos);
+}
 
 TEST(Registry, UnknownBackendNamesTheKnownOnes) {
   auto b = CreateExpertBackend("fast", {});

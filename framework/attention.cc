@@ -145,12 +145,13 @@ at::Tensor SegmentCausalMask(const at::Tensor& segment_ids) {
 at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Tensor& x,
                         const RotaryTables& rope, const at::Tensor& mask) {
   const int64_t b = x.size(0), t = x.size(1), hd = o.head_dim;
-  auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, int64_t n) {
-    return at::linear(x, proj, bias).view({b, t, n, hd});
+  auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, const LoraAdapter& lora,
+                   int64_t n) {
+    return Linear(x, proj, bias, lora).view({b, t, n, hd});
   };
-  at::Tensor q = heads(w.q_proj, w.q_bias, o.num_attention_heads);
-  at::Tensor k = heads(w.k_proj, w.k_bias, o.num_key_value_heads);
-  at::Tensor v = heads(w.v_proj, w.v_bias, o.num_key_value_heads).transpose(1, 2);
+  at::Tensor q = heads(w.q_proj, w.q_bias, w.q_lora, o.num_attention_heads);
+  at::Tensor k = heads(w.k_proj, w.k_bias, w.k_lora, o.num_key_value_heads);
+  at::Tensor v = heads(w.v_proj, w.v_bias, w.v_lora, o.num_key_value_heads).transpose(1, 2);
   if (o.qk_norm) {
     q = RmsNorm(q, w.q_norm, o.rms_norm_eps);
     k = RmsNorm(k, w.k_norm, o.rms_norm_eps);
@@ -163,7 +164,8 @@ at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Te
     v = v.repeat_interleave(groups, 1);
   }
   at::Tensor attn = Attend(q, k, v, mask, rope.softmax_scale);
-  return at::linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), w.o_proj);
+  return Linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), w.o_proj, {},
+                w.o_lora);
 }
 
 // Queries from x (optionally through the q_a -> norm -> q_b bottleneck), keys
@@ -175,23 +177,24 @@ at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const 
   const int64_t nope = o.qk_nope_head_dim, rope_dim = o.qk_rope_head_dim;
   at::Tensor q =
       o.q_lora_rank > 0
-          ? at::linear(RmsNorm(at::linear(x, w.q_a_proj), w.q_a_norm, kLatentNormEps), w.q_b_proj)
-          : at::linear(x, w.q_proj);
+          ? Linear(RmsNorm(Linear(x, w.q_a_proj, {}, w.q_a_lora), w.q_a_norm, kLatentNormEps),
+                   w.q_b_proj, {}, w.q_b_lora)
+          : Linear(x, w.q_proj, {}, w.q_lora);
   q = q.view({b, t, heads, nope + rope_dim}).transpose(1, 2);  // [B, heads, T, nope + rope]
-  at::Tensor compressed = at::linear(x, w.kv_a_proj);          // [B, T, kv_lora_rank + rope]
+  at::Tensor compressed = Linear(x, w.kv_a_proj, {}, w.kv_a_lora);  // [B, T, kv_lora_rank + rope]
   at::Tensor latent =
       RmsNorm(compressed.narrow(-1, 0, o.kv_lora_rank), w.kv_a_norm, kLatentNormEps);
   at::Tensor k_rot = compressed.narrow(-1, o.kv_lora_rank, rope_dim).view({b, 1, t, rope_dim});
   at::Tensor q_rot = Rotate(q.narrow(-1, nope, rope_dim), rope.cos, rope.sin, o.rope_interleave);
   k_rot = Rotate(k_rot, rope.cos, rope.sin, o.rope_interleave);
   at::Tensor query = at::cat({q.narrow(-1, 0, nope), q_rot}, -1);
-  at::Tensor kv = at::linear(latent, w.kv_b_proj)
+  at::Tensor kv = Linear(latent, w.kv_b_proj, {}, w.kv_b_lora)
                       .view({b, t, heads, nope + o.v_head_dim})
                       .transpose(1, 2);  // [B, heads, T, nope + v]
   at::Tensor key = at::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, heads, t, rope_dim})}, -1);
   at::Tensor value = kv.narrow(-1, nope, o.v_head_dim);
   at::Tensor attn = Attend(query, key, value, mask, rope.softmax_scale);
-  return at::linear(attn.transpose(1, 2).reshape({b, t, heads * o.v_head_dim}), w.o_proj);
+  return Linear(attn.transpose(1, 2).reshape({b, t, heads * o.v_head_dim}), w.o_proj, {}, w.o_lora);
 }
 
 }  // namespace moefit::framework

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "framework/lora.h"
 #include "framework/model_options.h"
 
 namespace moefit::framework {
@@ -43,6 +44,7 @@ struct GqaWeights {
   at::Tensor q_proj, k_proj, v_proj, o_proj;
   at::Tensor q_bias, k_bias, v_bias;  // defined when attention_bias
   at::Tensor q_norm, k_norm;          // defined when qk_norm
+  LoraAdapter q_lora, k_lora, v_lora, o_lora;  // LoRA fine-tuning: the projections' adapters
 };
 
 // x: [B, T, H] -> [B, T, H]. Causal; with `mask` (SegmentCausalMask) also
@@ -54,6 +56,7 @@ struct LatentWeights {
   at::Tensor q_proj;                        // without q_lora_rank
   at::Tensor q_a_proj, q_a_norm, q_b_proj;  // with q_lora_rank
   at::Tensor kv_a_proj, kv_a_norm, kv_b_proj, o_proj;
+  LoraAdapter q_lora, q_a_lora, q_b_lora, kv_a_lora, kv_b_lora, o_lora;  // LoRA fine-tuning
 };
 
 // Multi-head latent attention. x: [B, T, H] -> [B, T, H]; masked as

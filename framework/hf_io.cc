@@ -10,8 +10,12 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/safetensors.h"
+#include "checkpoint/safetensors_index.h"
+#include "checkpoint/tensor_io.h"
 #include "checkpoint/weight_exporter.h"
 #include "framework/families/family.h"
+#include "framework/output_dir.h"
 #include "proto/status_macros.h"
 
 namespace moefit::framework {
@@ -27,12 +31,6 @@ std::string DtypeName(at::ScalarType t) {
   }
 }
 
-// Whether any rank of `comm` reports failure (all ranks get the same answer).
-bool AnyFailed(parallel::Communicator& comm, bool failed) {
-  at::Tensor flag = at::full({1}, failed ? 1 : 0, at::kLong);
-  comm.AllReduce(flag, parallel::ReduceOp::kMax)->WaitOrThrow();
-  return flag.item<int64_t>() != 0;
-}
 
 // All ranks' strings, in rank order.
 std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const std::string& mine) {
@@ -52,13 +50,6 @@ std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const st
   return out;
 }
 
-absl::Status WriteTextFile(const fs::path& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-  out.flush();
-  if (!out) return absl::InternalError(absl::StrCat("cannot write ", path.string()));
-  return absl::OkStatus();
-}
 
 }  // namespace
 
@@ -70,6 +61,26 @@ void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
     load.skip_layers_from = o.num_hidden_layers;
     load.skip_layers_until = o.num_hidden_layers + o.num_nextn_predict_layers;
   }
+}
+
+absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
+  fs::path file = fs::path(dir) / checkpoint::kSingleFileName;
+  const fs::path index = fs::path(dir) / checkpoint::kIndexFileName;
+  if (fs::exists(index)) {
+    MOEFIT_ASSIGN_OR_RETURN(checkpoint::ShardedIndex idx, checkpoint::ReadShardedIndex(index));
+    const std::vector<std::string> shards = idx.ShardFiles();
+    if (shards.empty())
+      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": no shards"));
+    file = fs::path(dir) / shards.front();
+  }
+  MOEFIT_ASSIGN_OR_RETURN(checkpoint::SafetensorsFile f, checkpoint::SafetensorsFile::Open(file));
+  for (const checkpoint::TensorInfo& t : f.tensors()) {
+    const std::optional<at::ScalarType> type = checkpoint::ToScalarType(t.dtype);
+    if (!t.name.ends_with(".weight") || !type || !at::isFloatingType(*type)) continue;
+    if (*type == at::kBFloat16 || *type == at::kFloat8_e4m3fn) return at::kBFloat16;
+    return at::kFloat;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(file.string(), ": no floating weight tensor"));
 }
 
 absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {
@@ -185,14 +196,11 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
                            parallel::Communicator& world, const SaveOptions& options) {
   const bool rank0 = world.rank() == 0;
   const fs::path dir = fs::path(dir_in).lexically_normal();
-  const fs::path partial = fs::path(dir.string() + ".partial");
+  fs::path partial = fs::path(dir.string() + ".partial");
   std::error_code ec;
-  if (rank0) {
-    fs::remove_all(partial, ec);
-    fs::create_directories(partial, ec);
-  }
-  if (AnyFailed(world, rank0 && ec)) {
-    return absl::InternalError(absl::StrCat("cannot create ", partial.string(), ": ", ec.message()));
+  absl::Status staged = rank0 ? StageDirectory(dir, &partial) : absl::OkStatus();
+  if (AnyRankFailed(world, !staged.ok())) {
+    return staged.ok() ? absl::InternalError("rank 0 could not create the directory") : staged;
   }
 
   checkpoint::ExportOptions eo;
@@ -204,7 +212,7 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
   absl::StatusOr<checkpoint::ExportPlan> plan =
       in.writes ? checkpoint::PlanExport(in.family, in.tensors, eo)
                 : absl::StatusOr<checkpoint::ExportPlan>(checkpoint::ExportPlan{});
-  if (AnyFailed(world, !plan.ok())) {
+  if (AnyRankFailed(world, !plan.ok())) {
     return plan.ok() ? absl::InternalError("another rank could not plan its shards") : plan.status();
   }
 
@@ -216,7 +224,7 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
   const int total = static_cast<int>(counts.sum().item<int64_t>());
   absl::StatusOr<std::map<std::string, std::string>> fragment = std::map<std::string, std::string>();
   if (plan->num_shards() > 0) fragment = checkpoint::WriteExportShards(partial, *plan, first, total);
-  if (AnyFailed(world, !fragment.ok())) {
+  if (AnyRankFailed(world, !fragment.ok())) {
     return fragment.ok() ? absl::InternalError("another rank could not write its shards")
                          : fragment.status();
   }
@@ -251,20 +259,9 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
       }
     }
     // Swap the complete directory into place; an older one is removed last.
-    if (status.ok()) {
-      const fs::path old = fs::path(dir.string() + ".old");
-      fs::remove_all(old, ec);
-      if (fs::exists(dir)) fs::rename(dir, old, ec);
-      if (!ec) fs::rename(partial, dir, ec);
-      if (ec) {
-        status = absl::InternalError(absl::StrCat("cannot move ", partial.string(), " to ",
-                                                  dir.string(), ": ", ec.message()));
-      } else {
-        fs::remove_all(old, ec);
-      }
-    }
+    if (status.ok()) status = PublishDirectory(partial, dir);
   }
-  if (AnyFailed(world, !status.ok())) {
+  if (AnyRankFailed(world, !status.ok())) {
     return status.ok() ? absl::InternalError("rank 0 could not finish the directory") : status;
   }
   return absl::OkStatus();

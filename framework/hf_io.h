@@ -28,6 +28,11 @@ namespace moefit::framework {
 // name.
 void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& load);
 
+// The dtype a frozen base loaded from the HF directory `dir` keeps: that of
+// its weight matrices (the first shard's first floating ".weight" tensor),
+// with FP8 dequantized to bfloat16 and float16 held as float32.
+absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir);
+
 // Loads the weights of the HF directory `dir` into `model`. Missing,
 // unexpected or mis-shaped tensors fail with one message naming them. Host
 // tensors (the routed experts; the dense part on a CPU run) are filled in

@@ -13,11 +13,21 @@
 #include "experts/expert_function.h"
 #include "experts/registry.h"
 #include "framework/attention.h"
+#include "framework/recompute.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
 #include "router/gating.h"
 
 namespace moefit::framework {
+namespace {
+
+// A SwiGLU MLP: down(silu(gate·x) ⊙ up·x), each projection with its adapter.
+struct SwiGluWeights {
+  at::Tensor gate, up, down;
+  LoraAdapter gate_lora, up_lora, down_lora;
+};
+
+}  // namespace
 
 struct MoeModel::Layer {
   int64_t idx = 0;
@@ -26,18 +36,37 @@ struct MoeModel::Layer {
   GqaWeights gqa;       // GQA attention
   LatentWeights mla;    // or multi-head latent attention
   // Dense MLP (dense layers) or shared expert(s) (MoE layers).
-  at::Tensor mlp_gate, mlp_up, mlp_down;
+  SwiGluWeights mlp;
   at::Tensor shared_gate;  // [1, H] qwen2_moe shared_expert_gate; undefined: ungated
+  LoraAdapter shared_gate_lora;
   at::Tensor router;       // [E, H]
   at::Tensor correction_bias;  // [E] fp32 e_score_correction_bias (sigmoid routers)
   at::Tensor gate_up_proj, down_proj;  // packed experts, CPU
+  experts::ExpertLora expert_lora;     // their adapters (LoRA), CPU
+  // The module prefix of the MLP or shared expert(s) ("mlp", "mlp.shared_expert", ...).
+  std::string mlp_name;
 };
 
 namespace {
 
-at::Tensor SwiGlu(const at::Tensor& x, const at::Tensor& gate, const at::Tensor& up,
-                  const at::Tensor& down) {
-  return at::linear(at::silu(at::linear(x, gate)) * at::linear(x, up), down);
+at::Tensor SwiGlu(const at::Tensor& x, const SwiGluWeights& w) {
+  return Linear(at::silu(Linear(x, w.gate, {}, w.gate_lora)) * Linear(x, w.up, {}, w.up_lora),
+                w.down, {}, w.down_lora);
+}
+
+// SplitMix64: independent generator seeds from (seed, what).
+uint64_t MixSeed(uint64_t seed, uint64_t what) {
+  uint64_t z = seed + 0x9e3779b97f4a7c15ULL * (what + 1);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// PEFT's LoRA A: kaiming_uniform_(a=sqrt(5)) over fan_in = in, i.e. U(-1/sqrt(in), 1/sqrt(in)).
+void DrawLoraA(at::Tensor a, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(a.size(-1)));
+  a.uniform_(-bound, bound, gen);
 }
 
 }  // namespace
@@ -63,7 +92,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   std::unique_ptr<MoeModel> model(new MoeModel(options, rt, std::move(*placement)));
   model->backend_ = std::move(*backend);
   model->dispatcher_ = std::move(*dispatcher);
+  if (rt.lora.enabled()) {
+    absl::StatusOr<LoraTargets> targets = ResolveLoraTargets(options, rt.lora.target_modules);
+    if (!targets.ok()) return targets.status();
+    model->lora_targets_ = std::move(*targets);
+  } else if (rt.dense_dtype != at::kFloat) {
+    return absl::InvalidArgumentError(
+        "dense weights narrower than float32 are for a frozen base only (train.mode lora)");
+  }
   model->Build(seed, init);
+  if (rt.lora.enabled()) model->AddAdapters(seed);
   return model;
 }
 
@@ -96,8 +134,12 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
   const int64_t first_expert = placement_.first_expert(ep_rank);
   const int64_t num_local = placement_.num_local(ep_rank);
   const bool random = init == WeightInit::kRandom;
+  // Under LoRA the base is frozen, and its matrices may stay narrow.
+  const bool trained = !runtime_.lora.enabled();
+  // `matrix`: a dense matrix stored in dense_dtype (else float32: norms, biases, routers).
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool normal, bool decay,
-                 bool expert) {
+                 bool expert, bool matrix = false) {
+    const at::ScalarType dense_dtype = matrix ? runtime_.dense_dtype : at::kFloat;
     at::Tensor t;
     if (expert) {
       // This rank's experts only: never the other ranks' rows, drawn or not.
@@ -111,16 +153,16 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
     } else if (random) {
       t = normal ? at::randn(shape, gen, at::kFloat) * o.initializer_range
                  : (decay ? at::zeros(shape) : at::ones(shape));
-      t = t.to(runtime_.dense_device);
+      t = t.to(runtime_.dense_device, dense_dtype);
     } else {
-      t = at::empty(shape, at::TensorOptions().dtype(at::kFloat).device(runtime_.dense_device));
+      t = at::empty(shape, at::TensorOptions().dtype(dense_dtype).device(runtime_.dense_device));
     }
-    t.requires_grad_(true);
+    t.requires_grad_(trained);
     params_.push_back({name, t, decay, expert});
     return t;
   };
   auto linear = [&](const std::string& name, int64_t out, int64_t in) {
-    return add(name + ".weight", {out, in}, true, true, false);
+    return add(name + ".weight", {out, in}, true, true, false, /*matrix=*/true);
   };
   auto bias = [&](const std::string& name, int64_t n) {
     return add(name + ".bias", {n}, false, false, false);
@@ -129,12 +171,14 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
     return add(name + ".weight", {n}, false, false, false);
   };
   auto swiglu = [&](const std::string& name, int64_t width, Layer& l) {
-    l.mlp_gate = linear(name + ".gate_proj", width, h);
-    l.mlp_up = linear(name + ".up_proj", width, h);
-    l.mlp_down = linear(name + ".down_proj", h, width);
+    l.mlp_name = name.substr(name.find("mlp"));
+    l.mlp.gate = linear(name + ".gate_proj", width, h);
+    l.mlp.up = linear(name + ".up_proj", width, h);
+    l.mlp.down = linear(name + ".down_proj", h, width);
   };
 
-  embed_tokens_ = add("model.embed_tokens.weight", {o.vocab_size, h}, true, true, false);
+  embed_tokens_ =
+      add("model.embed_tokens.weight", {o.vocab_size, h}, true, true, false, /*matrix=*/true);
   for (int64_t i = 0; i < o.num_hidden_layers; ++i) {
     const std::string p = absl::StrCat("model.layers.", i, ".");
     Layer l;
@@ -176,7 +220,7 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
     l.post_attn_norm = norm(p + "post_attention_layernorm", h);
     if (l.moe) {
       const int64_t inter = o.moe_intermediate_size;
-      l.router = linear(p + "mlp.gate", o.num_experts, h);
+      l.router = add(p + "mlp.gate.weight", {o.num_experts, h}, true, true, false);
       if (o.correction_bias) {
         l.correction_bias = at::zeros({o.num_experts}, at::TensorOptions(runtime_.dense_device));
         buffers_.push_back({p + "mlp.gate.e_score_correction_bias", l.correction_bias,
@@ -204,6 +248,117 @@ std::vector<Parameter> MoeModel::named_tensors() const {
   std::vector<Parameter> out = params_;
   out.insert(out.end(), buffers_.begin(), buffers_.end());
   return out;
+}
+
+std::vector<MoeModel::LinearSlot> MoeModel::LinearSlots() {
+  std::vector<LinearSlot> slots;
+  for (Layer& l : layers_) {
+    const std::string p = absl::StrCat("model.layers.", l.idx, ".");
+    auto add = [&](const std::string& name, at::Tensor& w, LoraAdapter& a) {
+      if (w.defined()) slots.push_back({p + name, &w, &a});
+    };
+    if (options_.attention == AttentionKind::kMla) {
+      LatentWeights& w = l.mla;
+      add("self_attn.q_a_proj", w.q_a_proj, w.q_a_lora);
+      add("self_attn.q_b_proj", w.q_b_proj, w.q_b_lora);
+      add("self_attn.q_proj", w.q_proj, w.q_lora);
+      add("self_attn.kv_a_proj_with_mqa", w.kv_a_proj, w.kv_a_lora);
+      add("self_attn.kv_b_proj", w.kv_b_proj, w.kv_b_lora);
+      add("self_attn.o_proj", w.o_proj, w.o_lora);
+    } else {
+      GqaWeights& w = l.gqa;
+      add("self_attn.q_proj", w.q_proj, w.q_lora);
+      add("self_attn.k_proj", w.k_proj, w.k_lora);
+      add("self_attn.v_proj", w.v_proj, w.v_lora);
+      add("self_attn.o_proj", w.o_proj, w.o_lora);
+    }
+    add(l.mlp_name + ".gate_proj", l.mlp.gate, l.mlp.gate_lora);
+    add(l.mlp_name + ".up_proj", l.mlp.up, l.mlp.up_lora);
+    add(l.mlp_name + ".down_proj", l.mlp.down, l.mlp.down_lora);
+    add("mlp.shared_expert_gate", l.shared_gate, l.shared_gate_lora);
+  }
+  if (!options_.tie_word_embeddings) slots.push_back({"lm_head", &lm_head_, &lm_head_lora_});
+  return slots;
+}
+
+void MoeModel::AddAdapters(uint64_t seed) {
+  const LoraOptions& lo = runtime_.lora;
+  const int64_t r = lo.rank;
+  const double scaling = lo.scaling();
+  // Each adapter's A from its own generator (by module, and by global expert):
+  // the same values at any expert-parallel degree.
+  uint64_t what = 0;
+  auto make = [&](const std::string& name, std::vector<int64_t> shape, c10::Device device,
+                  bool expert) {
+    at::Tensor t = at::zeros(shape, at::TensorOptions().dtype(at::kFloat).device(device));
+    t.requires_grad_(true);
+    adapters_.push_back({name, t, /*weight_decay=*/true, expert});
+    return t;
+  };
+  for (const LinearSlot& slot : LinearSlots()) {
+    ++what;
+    if (!lora_targets_.modules.contains(slot.name)) continue;
+    const at::Tensor& w = *slot.weight;
+    LoraAdapter& a = *slot.adapter;
+    a.a = make(slot.name + ".lora_A.weight", {r, w.size(1)}, w.device(), false);
+    a.b = make(slot.name + ".lora_B.weight", {w.size(0), r}, w.device(), false);
+    a.scaling = scaling;
+    at::Tensor a_cpu = at::empty({r, w.size(1)});
+    DrawLoraA(a_cpu, MixSeed(seed, what));
+    torch::NoGradGuard no_grad;
+    a.a.copy_(a_cpu);
+  }
+  const int64_t first = placement_.first_expert(runtime_.expert_group->rank());
+  const int64_t h = options_.hidden_size, inter = options_.moe_intermediate_size;
+  for (Layer& l : layers_) {
+    if (!l.moe) continue;
+    const std::string p = absl::StrCat("model.layers.", l.idx, ".mlp.experts.");
+    const int64_t local = l.gate_up_proj.size(0);
+    experts::ExpertLora& el = l.expert_lora;
+    el.scaling = scaling;
+    auto pair = [&](const std::string& proj, int64_t in, int64_t out, at::Tensor& a, at::Tensor& b,
+                    uint64_t kind) {
+      a = make(p + proj + ".lora_A", {local, r, in}, c10::kCPU, true);
+      b = make(p + proj + ".lora_B", {local, out, r}, c10::kCPU, true);
+      torch::NoGradGuard no_grad;
+      for (int64_t e = 0; e < local; ++e) {
+        DrawLoraA(a[e], MixSeed(seed, (1ULL << 40) + (static_cast<uint64_t>(l.idx) << 20) +
+                                          2 * static_cast<uint64_t>(first + e) + kind));
+      }
+    };
+    if (lora_targets_.expert_gate_up) {
+      pair("gate_up_proj", h, 2 * inter, el.gate_up_a, el.gate_up_b, 0);
+    }
+    if (lora_targets_.expert_down) pair("down_proj", inter, h, el.down_a, el.down_b, 1);
+  }
+}
+
+void MoeModel::SetTraining(bool training) {
+  for (const LinearSlot& slot : LinearSlots()) {
+    slot.adapter->dropout = training ? runtime_.lora.dropout : 0.0;
+  }
+}
+
+void MoeModel::MergeAdapters() {
+  torch::NoGradGuard no_grad;
+  auto fold = [](at::Tensor w, const at::Tensor& a, const at::Tensor& b, double scaling) {
+    w.copy_(w.to(at::kFloat)
+                .addmm_(b.to(w.device(), at::kFloat), a.to(w.device(), at::kFloat),
+                        /*beta=*/1, /*alpha=*/scaling));
+    b.zero_();
+  };
+  for (const LinearSlot& slot : LinearSlots()) {
+    const LoraAdapter& a = *slot.adapter;
+    if (a.defined()) fold(*slot.weight, a.a, a.b, a.scaling);
+  }
+  for (Layer& l : layers_) {
+    const experts::ExpertLora& el = l.expert_lora;
+    for (int64_t e = 0; l.moe && e < l.gate_up_proj.size(0); ++e) {
+      if (el.gate_up_a.defined())
+        fold(l.gate_up_proj[e], el.gate_up_a[e], el.gate_up_b[e], el.scaling);
+      if (el.down_a.defined()) fold(l.down_proj[e], el.down_a[e], el.down_b[e], el.scaling);
+    }
+  }
 }
 
 at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequences,
@@ -236,8 +391,10 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU));
-  // f. Expert compute on this rank's experts.
-  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, l.gate_up_proj, l.down_proj);
+  // f. Expert compute on this rank's experts (with their adapters under LoRA).
+  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts,
+                                    {l.gate_up_proj, l.down_proj, l.expert_lora},
+                                    {.recompute = runtime_.recompute == Recompute::kExperts});
   // g. Combine: rows come home; routing weights are applied here.
   at::Tensor back = dispatcher_->Combine(y, *rows.route).to(at::kFloat).view({x.size(0), k, -1});
   at::Tensor out = (back * r.topk_weight.to(at::kCPU).unsqueeze(-1))
@@ -245,12 +402,26 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
                        .to(x.scalar_type())
                        .to(x.device());
   if (l.shared_gate.defined()) {
-    out = out + at::sigmoid(at::linear(x, l.shared_gate)) *
-                    SwiGlu(x, l.mlp_gate, l.mlp_up, l.mlp_down);
-  } else if (l.mlp_gate.defined()) {
-    out = out + SwiGlu(x, l.mlp_gate, l.mlp_up, l.mlp_down);
+    out = out + at::sigmoid(Linear(x, l.shared_gate, {}, l.shared_gate_lora)) * SwiGlu(x, l.mlp);
+  } else if (l.mlp.gate.defined()) {
+    out = out + SwiGlu(x, l.mlp);
   }
   return out;
+}
+
+at::Tensor MoeModel::DecoderLayer(const Layer& l, const at::Tensor& hidden_in,
+                                  const RotaryTables& rope, const at::Tensor& mask,
+                                  MoeLayerRouting* routing) {
+  const ModelOptions& o = options_;
+  const int64_t b = hidden_in.size(0), t = hidden_in.size(1);
+  at::Tensor normed = RmsNorm(hidden_in, l.input_norm, o.rms_norm_eps);
+  at::Tensor hidden = hidden_in + (o.attention == AttentionKind::kMla
+                                       ? LatentAttention(o, l.mla, normed, rope, mask)
+                                       : GqaAttention(o, l.gqa, normed, rope, mask));
+  normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
+  if (!l.moe) return hidden + SwiGlu(normed, l.mlp);
+  at::Tensor flat = normed.reshape({b * t, o.hidden_size});
+  return hidden + Moe(l, flat, b, routing).view({b, t, o.hidden_size});
 }
 
 ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
@@ -275,23 +446,39 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& p
   const RotaryTables rope = plain_positions ? ComputeRotaryTables(o, t, dev)
                                             : ComputeRotaryTables(o, position_ids, dev);
 
-  at::Tensor hidden = at::embedding(embed_tokens_, ids);
+  // A narrow frozen embedding gives float32 activations all the same.
+  at::Tensor hidden = at::embedding(embed_tokens_, ids).to(at::kFloat);
+  const bool recompute = runtime_.recompute == Recompute::kFull && at::GradMode::is_enabled();
   for (const Layer& l : layers_) {
-    at::Tensor normed = RmsNorm(hidden, l.input_norm, o.rms_norm_eps);
-    hidden = hidden + (o.attention == AttentionKind::kMla
-                           ? LatentAttention(o, l.mla, normed, rope, mask)
-                           : GqaAttention(o, l.gqa, normed, rope, mask));
-    normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
-    if (l.moe) {
-      MoeLayerRouting routing;
-      at::Tensor flat = normed.reshape({b * t, o.hidden_size});
-      hidden = hidden + Moe(l, flat, b, &routing).view({b, t, o.hidden_size});
-      result.moe_layers.push_back(std::move(routing));
+    MoeLayerRouting routing;
+    if (recompute) {
+      // The layer runs again in the backward pass (after Forward returns), so
+      // the function owns what it uses; the routing statistics are taken from
+      // the first run and the differentiable ones come back as outputs.
+      auto first = std::make_shared<MoeLayerRouting>();
+      auto seen = std::make_shared<bool>(false);
+      const Layer* layer = &l;
+      auto fn = [this, layer, rope, mask, first, seen](const std::vector<at::Tensor>& in) {
+        MoeLayerRouting r;
+        at::Tensor out = DecoderLayer(*layer, in[0], rope, mask, &r);
+        if (!*seen) {
+          *first = r;
+          *seen = true;
+        }
+        return std::vector<at::Tensor>{out, r.prob_sum, r.seq_balance_sum};
+      };
+      std::vector<at::Tensor> outs = Recomputed(fn, {hidden});
+      hidden = outs[0];
+      routing = *first;
+      routing.prob_sum = outs[1];
+      routing.seq_balance_sum = outs[2];
     } else {
-      hidden = hidden + SwiGlu(normed, l.mlp_gate, l.mlp_up, l.mlp_down);
+      hidden = DecoderLayer(l, hidden, rope, mask, &routing);
     }
+    if (l.moe) result.moe_layers.push_back(std::move(routing));
   }
-  result.logits = at::linear(RmsNorm(hidden, final_norm_, o.rms_norm_eps), lm_head_).to(at::kFloat);
+  result.logits = Linear(RmsNorm(hidden, final_norm_, o.rms_norm_eps), lm_head_, {}, lm_head_lora_)
+                      .to(at::kFloat);
   return result;
 }
 

@@ -26,8 +26,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "framework/lora.h"
 #include "framework/model_options.h"
-
 #include "router/expert_placement.h"
 
 namespace moefit::experts {
@@ -40,10 +40,28 @@ class Dispatcher;
 
 namespace moefit::framework {
 
+struct RotaryTables;
+
+// What is kept for the backward pass (train.recompute).
+enum class Recompute {
+  kNone,
+  kExperts,  // each expert layer keeps its input only; gate/up are recomputed
+  kFull,     // each decoder layer keeps its input only and runs again
+};
+
 struct ModelRuntime {
   c10::Device dense_device = c10::kCPU;
   // Storage and compute dtype of the routed experts (float32 or bfloat16).
   at::ScalarType expert_dtype = at::kFloat;
+  // Storage dtype of the dense matrices (projections, embedding, LM head):
+  // float32 unless the base is frozen (LoRA), when it may stay bfloat16 (the
+  // activations stay float32; see framework/lora.h). Norms, biases and
+  // routers are float32 always.
+  at::ScalarType dense_dtype = at::kFloat;
+  // LoRA fine-tuning when lora.enabled(): every base weight is frozen and only
+  // the adapters are trained.
+  LoraOptions lora;
+  Recompute recompute = Recompute::kNone;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count
   // Expert parallelism: the group of ranks that share one copy of the experts
@@ -55,7 +73,7 @@ struct ModelRuntime {
 
 struct Parameter {
   std::string name;   // e.g. model.layers.0.mlp.experts.gate_up_proj
-  at::Tensor tensor;  // a leaf with requires_grad
+  at::Tensor tensor;  // a leaf; requires_grad unless frozen (the base under LoRA)
   bool weight_decay = true;  // false for norms and biases
   bool expert = false;       // routed-expert weight (CPU resident; this rank's experts only)
 };
@@ -112,7 +130,26 @@ class MoeModel {
   ForwardResult Forward(const at::Tensor& input_ids, const at::Tensor& position_ids = {},
                         const at::Tensor& segment_ids = {});
 
+  // The model's weights, named as in HF transformers (frozen under LoRA).
   const std::vector<Parameter>& parameters() const { return params_; }
+  // LoRA adapters (float32): dense modules' "<module>.lora_A.weight" [r, in]
+  // and ".lora_B.weight" [out, r]; the routed experts'
+  // "model.layers.L.mlp.experts.gate_up_proj.lora_A" [E_local, r, H], ".lora_B"
+  // [E_local, 2I, r], and down_proj's [E_local, r, I] and [E_local, H, r]
+  // (expert true, this rank's experts). Empty without LoRA.
+  const std::vector<Parameter>& adapters() const { return adapters_; }
+  // What the optimizer trains: the adapters under LoRA, else parameters().
+  const std::vector<Parameter>& trainable_parameters() const {
+    return adapters_.empty() ? params_ : adapters_;
+  }
+  // Folds every adapter into its base weight (W += scaling·B·A, computed in
+  // float32 and rounded once to W's dtype) and zeroes the adapters' B, so the
+  // model computes the same function with the adapters folded in.
+  void MergeAdapters();
+  // Training mode turns on the adapters' dropout (off by default: inference).
+  void SetTraining(bool training);
+  // The resolved LoRA targets (empty without LoRA).
+  const LoraTargets& lora_targets() const { return lora_targets_; }
   // State that is saved and loaded with the weights but not trained by the
   // optimizer (the routers' e_score_correction_bias), requires_grad false.
   const std::vector<Parameter>& buffers() const { return buffers_; }
@@ -127,6 +164,17 @@ class MoeModel {
   MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
            router::ExpertPlacement placement);
   void Build(uint64_t seed, WeightInit init);
+  // Creates the adapters of lora_targets_ (A drawn as PEFT draws it, B zero).
+  void AddAdapters(uint64_t seed);
+  // Every dense linear module by HF name: its weight and its adapter slot.
+  struct LinearSlot {
+    std::string name;
+    at::Tensor* weight;
+    LoraAdapter* adapter;
+  };
+  std::vector<LinearSlot> LinearSlots();
+  at::Tensor DecoderLayer(const Layer& layer, const at::Tensor& hidden, const RotaryTables& rope,
+                          const at::Tensor& mask, MoeLayerRouting* routing);
   // x: [num_sequences * T, H] (sequence-major).
   at::Tensor Moe(const Layer& layer, const at::Tensor& x, int64_t num_sequences,
                  MoeLayerRouting* routing);
@@ -138,8 +186,12 @@ class MoeModel {
   std::unique_ptr<parallel::Dispatcher> dispatcher_;
   std::vector<Parameter> params_;
   std::vector<Parameter> buffers_;
+  std::vector<Parameter> adapters_;
+  LoraTargets lora_targets_;
+
   std::vector<Layer> layers_;
   at::Tensor embed_tokens_, final_norm_, lm_head_;
+  LoraAdapter lm_head_lora_;
 };
 
 // Rows [first, first + num) along dim 0 of at::randn(shape, gen) * scale, in

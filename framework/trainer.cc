@@ -75,12 +75,16 @@ struct Trainer::Impl {
         options(o),
         groups(g != nullptr ? *g : LocalGroups(m)),
         sampler(d.num_sequences(), o.seed) {
-    for (const Parameter& p : model.parameters()) {
+    // Dropout (LoRA's) draws from the default generator: the same seed, the
+    // same masks, run after run.
+    at::manual_seed(o.seed);
+    model.SetTraining(true);
+    for (const Parameter& p : model.trainable_parameters()) {
       (p.expert ? expert_params : dense_params).push_back(p.tensor);
     }
     // Two groups: decayed weights, and norms/biases without weight decay.
     std::vector<at::Tensor> decay, no_decay;
-    for (const Parameter& p : model.parameters()) {
+    for (const Parameter& p : model.trainable_parameters()) {
       (p.weight_decay ? decay : no_decay).push_back(p.tensor);
     }
     auto group_options = [&](double wd) {
@@ -123,7 +127,7 @@ struct Trainer::Impl {
     const double norm = std::sqrt(sq);
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);
-      for (const Parameter& p : model.parameters()) {
+      for (const Parameter& p : model.trainable_parameters()) {
         if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(scale);
       }
     }

@@ -22,6 +22,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 #include "experts/registry.h"
+#include "framework/adapter_io.h"
 #include "framework/families/family.h"
 #include "parallel/dispatcher.h"
 #include "proto/status_macros.h"
@@ -62,7 +63,7 @@ const char kDefaults[] = R"pb(
   optimizer { lr: 3e-4 weight_decay: 0.1 beta1: 0.9 beta2: 0.95 eps: 1e-8 max_grad_norm: 1.0 }
   schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
   train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
-  experts { backend: "grouped" dtype: "float32" num_threads: 0 }
+  experts { backend: "grouped" num_threads: 0 }
   parallel { device: "auto" ep_size: 0 dispatcher: "alltoall" }
   checkpoint { max_shard_bytes: 5000000000 }
   logging { log_every: 1 }
@@ -324,6 +325,15 @@ proto::Config DefaultConfig() {
   return config;
 }
 
+namespace {
+
+// Applies the overrides to `config` (already merged onto the defaults), then
+// the model's config.json.
+absl::StatusOr<proto::Config> FinishConfig(proto::Config config,
+                                           const std::vector<std::string>& overrides);
+
+}  // namespace
+
 absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
                                          const std::vector<std::string>& overrides) {
   proto::Config config = DefaultConfig();
@@ -339,6 +349,20 @@ absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
     MOEFIT_ASSIGN_OR_RETURN(std::string text, ReadFile(path, "config"));
     MOEFIT_RETURN_IF_ERROR(MergeText(text, path, &config));
   }
+  return FinishConfig(std::move(config), overrides);
+}
+
+absl::StatusOr<proto::Config> LoadConfigText(const std::string& text, const std::string& source,
+                                             const std::vector<std::string>& overrides) {
+  proto::Config config = DefaultConfig();
+  MOEFIT_RETURN_IF_ERROR(MergeText(text, source, &config));
+  return FinishConfig(std::move(config), overrides);
+}
+
+namespace {
+
+absl::StatusOr<proto::Config> FinishConfig(proto::Config config,
+                                           const std::vector<std::string>& overrides) {
   for (const std::string& o : overrides) MOEFIT_RETURN_IF_ERROR(ApplyOverride(o, &config));
   if (!config.model().model_path().empty() && config.model().config_json().empty()) {
     config.mutable_model()->set_config_json(
@@ -350,6 +374,8 @@ absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
   }
   return config;
 }
+
+}  // namespace
 
 namespace {
 
@@ -693,6 +719,124 @@ absl::StatusOr<framework::ModelOptions> ResolveModelConfig(const proto::ModelCon
   return ResolveModel(model);
 }
 
+namespace {
+
+absl::StatusOr<std::optional<at::ScalarType>> OptionalDtype(const std::string& field,
+                                                            const std::string& value) {
+  if (value.empty()) return std::optional<at::ScalarType>();
+  if (value == "float32") return std::optional<at::ScalarType>(at::kFloat);
+  if (value == "bfloat16") return std::optional<at::ScalarType>(at::kBFloat16);
+  return Invalid(absl::StrCat(field, " = '", value, "' must be float32 or bfloat16 (or empty)"));
+}
+
+// train.mode, train.recompute and the lora message. An adapter directory
+// (init_from or adapter_path) supplies rank, alpha, rslora and targets; a
+// value set here too must agree with it.
+absl::Status ResolveLora(const proto::Config& c, RunConfig& run) {
+  const std::string& recompute = c.train().recompute();
+  if (recompute.empty() || recompute == "none") {
+    run.runtime.recompute = framework::Recompute::kNone;
+  } else if (recompute == "experts") {
+    run.runtime.recompute = framework::Recompute::kExperts;
+  } else if (recompute == "full") {
+    run.runtime.recompute = framework::Recompute::kFull;
+  } else {
+    return Invalid(
+        absl::StrCat("train.recompute = '", recompute, "' must be none, experts or full"));
+  }
+  const proto::LoraConfig& l = c.lora();
+  const std::string& mode = c.train().mode();
+  if (!mode.empty() && mode != "full" && mode != "lora") {
+    return Invalid(absl::StrCat("train.mode = '", mode, "' must be full or lora"));
+  }
+  if (!l.init_from().empty() && !l.adapter_path().empty()) {
+    return Invalid("lora.init_from and lora.adapter_path name two adapters: give one");
+  }
+  const std::string adapter_dir = !l.init_from().empty() ? l.init_from() : l.adapter_path();
+  // An adapter to apply (eval, merge) makes a LoRA model whatever train.mode says.
+  const bool lora = mode == "lora" || !l.adapter_path().empty();
+  if (!lora) {
+    if (l.has_rank() || l.target_modules_size() > 0 || !l.init_from().empty()) {
+      return Invalid("lora.* is set but train.mode is not lora (set train.mode=lora)");
+    }
+    return absl::OkStatus();
+  }
+  framework::LoraOptions& o = run.runtime.lora;
+  o.rank = l.has_rank() ? l.rank() : 0;
+  o.alpha = l.has_alpha() ? l.alpha() : 16;
+  o.dropout = l.has_dropout() ? l.dropout() : 0;
+  o.use_rslora = l.has_use_rslora() && l.use_rslora();
+  o.target_modules.assign(l.target_modules().begin(), l.target_modules().end());
+  if (!adapter_dir.empty()) {
+    absl::StatusOr<framework::AdapterConfig> a = framework::ReadAdapterConfig(adapter_dir);
+    if (!a.ok()) return a.status();
+    const std::string from = absl::StrCat(" but the adapter ", adapter_dir, " says ");
+    if (l.has_rank() && l.rank() != a->r) {
+      return Invalid(absl::StrCat("lora.rank = ", l.rank(), from, "r = ", a->r));
+    }
+    if (l.has_alpha() && l.alpha() != a->lora_alpha) {
+      return Invalid(
+          absl::StrCat("lora.alpha = ", l.alpha(), from, "lora_alpha = ", a->lora_alpha));
+    }
+    if (l.has_use_rslora() && l.use_rslora() != a->use_rslora) {
+      return Invalid(
+          absl::StrCat("lora.use_rslora = ", l.use_rslora(), from, "use_rslora = ", a->use_rslora));
+    }
+    // Parameters of dense modules name the module ("mlp.gate_proj.weight").
+    std::vector<std::string> targets = a->target_modules;
+    for (const std::string& p : a->target_parameters) {
+      targets.push_back(p.ends_with(".weight") ? p.substr(0, p.size() - 7) : p);
+    }
+    if (l.target_modules_size() > 0) {
+      auto mine = framework::ResolveLoraTargets(run.model, o.target_modules);
+      auto theirs = framework::ResolveLoraTargets(run.model, targets);
+      if (!mine.ok()) return mine.status();
+      if (!theirs.ok()) {
+        return Invalid(
+            absl::StrCat(adapter_dir, "/adapter_config.json: ", theirs.status().message()));
+      }
+      if (mine->modules != theirs->modules || mine->expert_gate_up != theirs->expert_gate_up ||
+          mine->expert_down != theirs->expert_down) {
+        return Invalid(absl::StrCat("lora.target_modules = [",
+                                    absl::StrJoin(o.target_modules, ", "), "]", from, "[",
+                                    absl::StrJoin(targets, ", "), "]"));
+      }
+    }
+    o.rank = a->r;
+    o.alpha = a->lora_alpha;
+    o.use_rslora = a->use_rslora;
+    if (!l.has_dropout()) o.dropout = a->lora_dropout;
+    o.target_modules = targets;
+  }
+  if (o.rank <= 0) return Invalid(absl::StrCat("lora.rank = ", o.rank, " must be positive"));
+  if (!(o.alpha > 0)) return Invalid(absl::StrCat("lora.alpha = ", o.alpha, " must be positive"));
+  if (o.dropout < 0 || o.dropout >= 1) {
+    return Invalid(absl::StrCat("lora.dropout = ", o.dropout, " must be in [0, 1)"));
+  }
+  if (o.target_modules.empty()) {
+    return Invalid(
+        "lora.target_modules is empty: name the modules to adapt (e.g. q_proj, "
+        "v_proj, experts)");
+  }
+  absl::StatusOr<framework::LoraTargets> targets =
+      framework::ResolveLoraTargets(run.model, o.target_modules);
+  if (!targets.ok()) return targets.status();
+  run.lora_init_from = adapter_dir;
+  run.lora_save_per_expert = l.save_per_expert();
+  MOEFIT_ASSIGN_OR_RETURN(run.lora_base_dtype, OptionalDtype("lora.base_dtype", l.base_dtype()));
+  // The correction biases are base state an adapter cannot carry.
+  if (c.router().has_bias_update_rate() && c.router().bias_update_rate() > 0 &&
+      run.model.correction_bias) {
+    return Invalid(
+        "router.bias_update_rate: the correction biases are frozen with the base in "
+        "train.mode lora (an adapter cannot carry them); leave it unset or 0");
+  }
+  run.train.bias_update_rate = 0;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   RunConfig run;
   MOEFIT_ASSIGN_OR_RETURN(run.model, ResolveModel(c.model()));
@@ -754,13 +898,16 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 absl::StrJoin(backends, ", "), ")"));
   }
   run.runtime.expert_backend = e.backend();
-  if (e.dtype() == "float32") {
+  if (e.dtype() == "float32" || e.dtype().empty()) {
     run.runtime.expert_dtype = at::kFloat;
   } else if (e.dtype() == "bfloat16") {
     run.runtime.expert_dtype = at::kBFloat16;
   } else {
-    return Invalid(absl::StrCat("experts.dtype = '", e.dtype(), "' must be float32 or bfloat16"));
+    return Invalid(
+        absl::StrCat("experts.dtype = '", e.dtype(), "' must be float32 or bfloat16 (or empty)"));
   }
+  run.experts_dtype_set = !e.dtype().empty();
+  MOEFIT_RETURN_IF_ERROR(ResolveLora(c, run));
   if (e.num_threads() < 0) {
     return Invalid(absl::StrCat("experts.num_threads = ", e.num_threads(), " must be >= 0"));
   }

@@ -33,6 +33,10 @@ proto::Config DefaultConfig();
 absl::StatusOr<proto::Config> LoadConfig(const std::string& path,
                                          const std::vector<std::string>& overrides);
 
+// The same for config text from `source` (a name for messages) instead of a file.
+absl::StatusOr<proto::Config> LoadConfigText(const std::string& text, const std::string& source,
+                                             const std::vector<std::string>& overrides);
+
 // Applies one "path.to.field=value" override (exposed for tests).
 absl::Status ApplyOverride(const std::string& assignment, proto::Config* config);
 
@@ -60,6 +64,13 @@ struct RunConfig {
   std::string save_dir;          // HF directory written at the end; empty = none
   int64_t max_shard_bytes = 5'000'000'000;
   std::optional<at::ScalarType> save_dtype;
+  // LoRA (runtime.lora.enabled()): the adapter to start from or to apply
+  // (empty = a new one), and whether saves also write the per-expert layout.
+  std::string lora_init_from;
+  bool lora_save_per_expert = false;
+  // Frozen-base dtype (lora.base_dtype); nullopt = the checkpoint's.
+  std::optional<at::ScalarType> lora_base_dtype;
+  bool experts_dtype_set = false;  // experts.dtype given (it then wins for the experts)
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

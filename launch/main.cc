@@ -29,6 +29,7 @@
 #include "launch/eval_command.h"
 #include "launch/export_command.h"
 #include "launch/inspect_command.h"
+#include "launch/merge_command.h"
 #include "launch/plan_command.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
@@ -41,8 +42,9 @@ ABSL_FLAG(bool, print_config, false,
 ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to evaluate");
 ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
 ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
-ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export: largest shard in bytes");
-ABSL_FLAG(std::string, save_dtype, "", "export: dtype of the written weights (float32, bfloat16)");
+ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export, merge: largest shard in bytes");
+ABSL_FLAG(std::string, save_dtype, "",
+          "export, merge: dtype of the written weights (float32, bfloat16)");
 // plan: the cluster and the run; the four sizes of the cluster are required (0 = not given).
 ABSL_FLAG(std::string, model, "", "plan: HF config.json of the model");
 ABSL_FLAG(int64_t, nodes, 0, "plan: number of nodes");
@@ -78,8 +80,12 @@ std::string Usage() {
          "      repeated fields take a list: --set model.mlp_only_layers=[0,3].\n"
          "      model.model_path: DIR starts from a Hugging Face model directory's weights;\n"
          "      checkpoint.save_dir: DIR writes the trained model there in the same format.\n"
+         "      LoRA: --set train.mode=lora --set lora.rank=16 --set lora.target_modules=[q_proj,\n"
+         "      v_proj,experts] trains adapters on a frozen base and saves a PEFT adapter.\n"
+         "      train.recompute: none|experts|full trades compute for activation memory.\n"
          "  eval [CONFIG] [--set FIELD=VALUE]... [--eval_sequences N]\n"
          "       [--save_logits OUT.safetensors --input_ids IN.safetensors]\n"
+         "      (--set lora.adapter_path=DIR evaluates the model with a PEFT adapter)\n"
          "      Loss and perplexity of the model on the first N sequences of the data, or\n"
          "      the logits for the given input ids, to compare with another implementation.\n"
          "  inspect DIR|FILE\n"
@@ -89,6 +95,10 @@ std::string Usage() {
          "  export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype float32|bfloat16]\n"
          "      Rewrite a model directory in the standard Hugging Face layout (per-expert\n"
          "      tensors, sharded safetensors, index), from any layout its family reads.\n"
+         "  merge BASE_DIR ADAPTER_DIR OUT_DIR [--max_shard_bytes N] [--save_dtype D]\n"
+         "      Fold a LoRA adapter (PEFT format, e.g. the checkpoint.save_dir of a\n"
+         "      train.mode=lora run) into its base model and write the merged model as a\n"
+         "      Hugging Face model directory (in the base's dtype unless --save_dtype).\n"
          "  plan --model CONFIG_JSON --nodes N --ram-gb R --gpus-per-node G --gpu-gb M\n"
          "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8]\n"
          "       [--seq-len T] [--micro-batch B] [--json]\n"
@@ -315,6 +325,7 @@ int Main(int argc, char** argv) {
       {"eval", {"set", "print_config", "eval_sequences", "save_logits", "input_ids"}},
       {"inspect", {}},
       {"export", {"max_shard_bytes", "save_dtype"}},
+      {"merge", {"max_shard_bytes", "save_dtype"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
         "seq_len", "micro_batch", "json"}},
@@ -351,10 +362,12 @@ int Main(int argc, char** argv) {
     return s.ok() ? kExitOk : Fail(s);
   }
   if (cmd == "plan") return PlanCommand(args);
-  // export
-  if (args.positional.size() != 2) {
-    std::cerr << "moefit: usage: moefit export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype D]"
-              << std::endl;
+  // export and merge
+  const size_t num_dirs = cmd == "merge" ? 3 : 2;
+  if (args.positional.size() != num_dirs) {
+    std::cerr << "moefit: usage: moefit "
+              << (cmd == "merge" ? "merge BASE_DIR ADAPTER_DIR OUT_DIR" : "export SRC_DIR DST_DIR")
+              << " [--max_shard_bytes N] [--save_dtype D]" << std::endl;
     return kExitBadInput;
   }
   ExportCommandOptions options;
@@ -372,6 +385,13 @@ int Main(int argc, char** argv) {
     std::cerr << "moefit: --max_shard_bytes = " << options.max_shard_bytes << " must be positive"
               << std::endl;
     return kExitBadInput;
+  }
+  if (cmd == "merge") {
+    MergeCommandOptions merge{options.max_shard_bytes, options.dtype};
+    return RunCollective(&argc, &argv, [&](auto world) {
+      return RunMerge(args.positional[0], args.positional[1], args.positional[2], merge, world,
+                      std::cout);
+    });
   }
   return RunCollective(&argc, &argv, [&](auto world) {
     return RunExport(args.positional[0], args.positional[1], options, world, std::cout);

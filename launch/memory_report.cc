@@ -62,12 +62,14 @@ MemoryBreakdown ComputeMemoryBreakdown(const framework::MoeModel& model, int64_t
     m.weight_bytes += bytes;
     if (t.device().is_cpu()) m.host_weight_bytes += bytes;
   };
-  for (const framework::Parameter& p : model.parameters()) {
-    add_weight(p.tensor);
-    // Every parameter is trained: a gradient and m, v like it.
+  for (const framework::Parameter& p : model.parameters()) add_weight(p.tensor);
+  for (const framework::Parameter& p : model.adapters()) add_weight(p.tensor);
+  for (const framework::Parameter& b : model.buffers()) add_weight(b.tensor);
+  // Each trained tensor (the adapters alone under LoRA) has a float32
+  // gradient like it, and AdamW's m and v.
+  for (const framework::Parameter& p : model.trainable_parameters()) {
     m.gradient_bytes += static_cast<int64_t>(p.tensor.nbytes());
   }
-  for (const framework::Parameter& b : model.buffers()) add_weight(b.tensor);
   m.optimizer_bytes = kAdamStates * m.gradient_bytes;
   m.activation_bytes =
       ActivationBytesEstimate(model.options(), model.runtime().expert_dtype, micro_batch, seq_len);

@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "framework/adapter_io.h"
 #include "framework/data.h"
 #include "framework/hf_io.h"
 #include "framework/model.h"
@@ -18,6 +20,13 @@
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
+namespace {
+
+const char* DtypeName(at::ScalarType t) {
+  return t == at::kBFloat16 ? "bfloat16" : t == at::kFloat ? "float32" : c10::toString(t);
+}
+
+}  // namespace
 
 absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
                                          std::shared_ptr<parallel::Communicator> world,
@@ -32,6 +41,17 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   out.groups = std::move(*groups);
   run.runtime.expert_group = out.groups.expert_parallel;
+  if (run.runtime.lora.enabled()) {
+    // The frozen base stays in its checkpoint's dtype unless told otherwise.
+    at::ScalarType base = at::kFloat;
+    if (run.lora_base_dtype) {
+      base = *run.lora_base_dtype;
+    } else if (!run.model_path.empty()) {
+      MOEFIT_ASSIGN_OR_RETURN(base, framework::CheckpointBaseDtype(run.model_path));
+    }
+    run.runtime.dense_dtype = base;
+    if (!run.experts_dtype_set) run.runtime.expert_dtype = base;
+  }
   // Weights that are loaded next are only allocated: no random draw, and the
   // loader fills the model's own tensors, so they are in memory once.
   const framework::WeightInit init = run.model_path.empty()
@@ -50,6 +70,10 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
                              report.skipped.size());
     }
     log << std::endl;
+  }
+  if (!run.lora_init_from.empty()) {
+    MOEFIT_RETURN_IF_ERROR(framework::LoadAdapter(*out.model, run.lora_init_from));
+    log << "moefit: loaded the LoRA adapter " << run.lora_init_from << std::endl;
   }
   // What this rank holds now (the weights, and the peak so far: after loading)
   // and what training will add to it.
@@ -86,11 +110,24 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   log << absl::StrFormat(
              "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %d parameters "
              "(%d active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
-             m.model_type, m.num_hidden_layers, m.hidden_size, m.num_experts,
-             m.num_experts_per_tok, counts.total, counts.active,
-             run.runtime.dense_device.str(), run.runtime.expert_backend,
-             c10::toString(run.runtime.expert_dtype), data->num_sequences(), run.seq_len)
+             m.model_type, m.num_hidden_layers, m.hidden_size, m.num_experts, m.num_experts_per_tok,
+             counts.total, counts.active, run.runtime.dense_device.str(),
+             run.runtime.expert_backend, DtypeName(model->runtime().expert_dtype),
+             data->num_sequences(), run.seq_len)
       << std::endl;
+  if (run.runtime.lora.enabled()) {
+    // As PEFT's print_trainable_parameters: the adapters of every expert.
+    const int64_t lora =
+        framework::CountLoraParameters(m, model->lora_targets(), run.runtime.lora.rank);
+    log << absl::StrFormat(
+               "moefit: LoRA rank %d, alpha %g on [%s]: trainable params: %d || all params: %d "
+               "|| trainable%%: %.4f; frozen base in %s (dense) and %s (experts)",
+               run.runtime.lora.rank, run.runtime.lora.alpha,
+               absl::StrJoin(run.runtime.lora.target_modules, ", "), lora, counts.total + lora,
+               100.0 * static_cast<double>(lora) / static_cast<double>(counts.total + lora),
+               DtypeName(model->runtime().dense_dtype), DtypeName(model->runtime().expert_dtype))
+        << std::endl;
+  }
   if (world->size() > 1) {
     log << absl::StrFormat("moefit: %d ranks, expert-parallel groups of %d (%d experts each), %s dispatch",
                            world->size(), groups.ep_size, local, run.runtime.dispatcher)
@@ -113,7 +150,13 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
     if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
     log << std::endl;
   }
-  if (!run.save_dir.empty()) {
+  if (!run.save_dir.empty() && run.runtime.lora.enabled()) {
+    framework::AdapterSaveOptions save;
+    save.base_model_name_or_path = run.model_path;
+    save.per_expert = run.lora_save_per_expert;
+    MOEFIT_RETURN_IF_ERROR(framework::SaveAdapter(*model, run.save_dir, groups, save));
+    log << "moefit: saved the LoRA adapter to " << run.save_dir << " (PEFT format)" << std::endl;
+  } else if (!run.save_dir.empty()) {
     framework::SaveOptions save;
     save.max_shard_bytes = static_cast<uint64_t>(run.max_shard_bytes);
     save.dtype = run.save_dtype;

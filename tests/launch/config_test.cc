@@ -356,7 +356,34 @@ TEST(ConfigErrors, BadOverrides) {
             "--set 'train.steps': expected FIELD=VALUE, e.g. optimizer.lr=3e-4");
   EXPECT_EQ(ErrorOf("", {"train=3"}),
             "--set train=3: 'train' is a message; set one of its fields (steps, micro_batch_size, "
-            "grad_accum_steps, seq_len, seed)");
+            "grad_accum_steps, seq_len, seed, mode, recompute)");
+}
+
+TEST(ConfigErrors, LoraSettings) {
+  EXPECT_EQ(ErrorOf("", {"train.mode=qlora"}), "train.mode = 'qlora' must be full or lora");
+  EXPECT_EQ(ErrorOf("", {"train.recompute=some"}),
+            "train.recompute = 'some' must be none, experts or full");
+  EXPECT_EQ(ErrorOf("", {"lora.rank=8"}),
+            "lora.* is set but train.mode is not lora (set train.mode=lora)");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.target_modules=[q_proj]"}),
+            "lora.rank = 0 must be positive");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.rank=8"}),
+            "lora.target_modules is empty: name the modules to adapt (e.g. q_proj, v_proj, "
+            "experts)");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.rank=8", "lora.target_modules=[q_proj]",
+                         "lora.dropout=1"}),
+            "lora.dropout = 1 must be in [0, 1)");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.rank=8", "lora.target_modules=[gate_proj]"}),
+            "lora.target_modules: 'gate_proj' matches no module of this qwen3_moe model that "
+            "LoRA can adapt (the routed experts are one fused module: target them as "
+            "experts.gate_up_proj, experts.down_proj or experts); its modules: q_proj, k_proj, "
+            "v_proj, o_proj, lm_head, experts, all-linear");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.rank=8", "lora.target_modules=[q_proj]",
+                         "lora.base_dtype=fp8"}),
+            "lora.base_dtype = 'fp8' must be float32 or bfloat16 (or empty)");
+  EXPECT_EQ(ErrorOf("", {"train.mode=lora", "lora.rank=8", "lora.target_modules=[q_proj]",
+                         "lora.adapter_path=/nonexistent"}),
+            "/nonexistent/adapter_config.json: cannot open (not a PEFT adapter directory?)");
 }
 
 TEST(ConfigErrors, InconsistentShapes) {
@@ -381,7 +408,8 @@ TEST(ConfigErrors, InconsistentShapes) {
             "(data.format = text)");
   EXPECT_EQ(ErrorOf("", {"experts.backend=fast"}),
             "experts.backend = 'fast' is unknown (known: grouped, eager)");
-  EXPECT_EQ(ErrorOf("", {"experts.dtype=fp8"}), "experts.dtype = 'fp8' must be float32 or bfloat16");
+  EXPECT_EQ(ErrorOf("", {"experts.dtype=fp8"}),
+            "experts.dtype = 'fp8' must be float32 or bfloat16 (or empty)");
   EXPECT_EQ(ErrorOf("", {"train.seq_len=4096"}),
             "train.seq_len = 4096 exceeds model.max_position_embeddings = 1024");
   EXPECT_EQ(ErrorOf("", {"optimizer.beta2=1"}), "optimizer.beta2 = 1 must be in [0, 1)");

@@ -1,0 +1,312 @@
+// LoRA fine-tuning at the model level: a new adapter leaves the base model's
+// logits bit for bit; the adapters' gradients are the chain rule through the
+// merged weight (dB = s·dW·Aᵀ, dA = s·Bᵀ·dW, checked against the gradient of
+// the merged model in full mode, for dense and expert adapters of every
+// family); merging folds the adapters in without changing the outputs;
+// training moves the adapters only (the base bytes are unchanged); the
+// parameter count is exact; a bfloat16 base stays bfloat16; target names are
+// resolved as PEFT resolves them; recomputation changes no number.
+#include "framework/lora.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "framework/data.h"
+#include "framework/model.h"
+#include "framework/trainer.h"
+#include "launch/config.h"
+#include "launch/corpus.h"
+
+namespace moefit::framework {
+namespace {
+
+// The demo model made small, in three shapes: qwen3_moe with a dense MLP
+// layer, qwen2_moe with a gated shared expert, deepseek_v3 with latent
+// attention, a dense first layer and a shared expert.
+std::vector<std::string> Shape(const std::string& family) {
+  std::vector<std::string> s = {
+      "model.hidden_size=64",        "model.num_hidden_layers=3", "model.num_attention_heads=4",
+      "model.num_key_value_heads=2", "model.head_dim=16",         "model.moe_intermediate_size=32",
+      "model.intermediate_size=48",  "model.num_experts=6",       "train.seq_len=16",
+      "train.micro_batch_size=2",    "logging.metrics_file="};
+  if (family == "qwen3_moe") s.push_back("model.mlp_only_layers=[1]");
+  if (family == "qwen2_moe") {
+    s.insert(s.end(), {"model.model_type=qwen2_moe", "model.shared_expert_intermediate_size=40"});
+  }
+  if (family == "deepseek_v3") {
+    s.insert(s.end(),
+             {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
+              "model.q_lora_rank=24", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+              "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.n_group=2",
+              "model.topk_group=1", "model.first_k_dense_replace=1", "model.n_shared_experts=1"});
+  }
+  return s;
+}
+
+launch::RunConfig Config(std::vector<std::string> sets) {
+  auto c = launch::LoadConfig("", sets);
+  EXPECT_TRUE(c.ok()) << c.status();
+  auto r = launch::ResolveConfig(*c);
+  EXPECT_TRUE(r.ok()) << r.status();
+  r->runtime.expert_threads = 1;
+  return *r;
+}
+
+launch::RunConfig LoraRun(const std::string& family, std::vector<std::string> extra = {}) {
+  std::vector<std::string> s = Shape(family);
+  s.insert(s.end(), {"train.mode=lora", "lora.rank=4", "lora.alpha=8",
+                     "lora.target_modules=[all-linear,experts]"});
+  s.insert(s.end(), extra.begin(), extra.end());
+  return Config(s);
+}
+
+std::unique_ptr<MoeModel> Build(const launch::RunConfig& run, uint64_t seed = 7) {
+  auto m = MoeModel::Create(run.model, run.runtime, seed);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return std::move(*m);
+}
+
+at::Tensor Ids(int64_t vocab) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  return at::randint(0, vocab, {2, 16}, gen, at::kLong);
+}
+
+double RelErr(const at::Tensor& a, const at::Tensor& b) {
+  const double scale = b.abs().max().item<double>();
+  return (a - b).abs().max().item<double>() / (scale > 0 ? scale : 1.0);
+}
+
+// Puts random values into every adapter's B, so that the adapters matter.
+void RandomizeB(MoeModel& m) {
+  torch::NoGradGuard no_grad;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const Parameter& p : m.adapters()) {
+    if (p.name.find("lora_B") != std::string::npos) {
+      p.tensor.copy_(at::randn(p.tensor.sizes(), gen, at::kFloat) * 0.05);
+    }
+  }
+}
+
+class Families : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Families, NewAdapterKeepsTheBaseLogitsExactly) {
+  launch::RunConfig full = Config(Shape(GetParam()));
+  launch::RunConfig lora = LoraRun(GetParam());
+  auto base = Build(full), adapted = Build(lora);
+  ASSERT_FALSE(adapted->adapters().empty());
+  const at::Tensor ids = Ids(full.model.vocab_size);
+  torch::NoGradGuard no_grad;
+  EXPECT_TRUE(at::equal(base->Forward(ids).logits, adapted->Forward(ids).logits));
+}
+
+TEST_P(Families, AdapterGradientsAreTheChainRuleThroughTheMergedWeight) {
+  launch::RunConfig lora = LoraRun(GetParam());
+  auto adapted = Build(lora);
+  RandomizeB(*adapted);
+  const at::Tensor ids = Ids(lora.model.vocab_size);
+  LossSum l = CausalLmLossSum(adapted->Forward(ids).logits, ids);
+  l.sum.backward();
+  for (const Parameter& p : adapted->parameters()) {
+    EXPECT_FALSE(p.tensor.grad().defined()) << p.name << " is frozen";
+  }
+
+  // The same function with W + s·B·A as trained weights.
+  launch::RunConfig full = Config(Shape(GetParam()));
+  auto merged = Build(full);
+  {
+    torch::NoGradGuard no_grad;
+    std::map<std::string, at::Tensor> folded;
+    auto copy = Build(lora);
+    for (size_t i = 0; i < copy->adapters().size(); ++i) {
+      copy->adapters()[i].tensor.copy_(adapted->adapters()[i].tensor);
+    }
+    copy->MergeAdapters();
+    for (size_t i = 0; i < merged->parameters().size(); ++i) {
+      merged->parameters()[i].tensor.copy_(copy->parameters()[i].tensor);
+    }
+  }
+  LossSum m = CausalLmLossSum(merged->Forward(ids).logits, ids);
+  EXPECT_LT(std::abs(m.sum.item<double>() - l.sum.item<double>()), 1e-4 * l.sum.item<double>());
+  m.sum.backward();
+  std::map<std::string, at::Tensor> grad_w;
+  for (const Parameter& p : merged->parameters()) grad_w[p.name] = p.tensor.grad();
+
+  const double s = lora.runtime.lora.scaling();
+  int checked = 0;
+  const std::vector<Parameter>& ad = adapted->adapters();
+  for (size_t i = 0; i + 1 < ad.size(); i += 2) {
+    const Parameter& a = ad[i];
+    const Parameter& b = ad[i + 1];
+    ASSERT_NE(a.name.find("lora_A"), std::string::npos) << a.name;
+    ASSERT_TRUE(a.tensor.grad().defined()) << a.name;
+    if (a.expert) {
+      const std::string w = a.name.substr(0, a.name.size() - std::string(".lora_A").size());
+      const at::Tensor& g = grad_w.at(w);  // [E, out, in]
+      const at::Tensor want_b = at::bmm(g, a.tensor.detach().transpose(1, 2)) * s;
+      const at::Tensor want_a = at::bmm(b.tensor.detach().transpose(1, 2), g) * s;
+      EXPECT_LT(RelErr(b.tensor.grad(), want_b), 2e-4) << b.name;
+      EXPECT_LT(RelErr(a.tensor.grad(), want_a), 2e-4) << a.name;
+    } else {
+      const std::string module =
+          a.name.substr(0, a.name.size() - std::string(".lora_A.weight").size());
+      const at::Tensor& g = grad_w.at(module + ".weight");  // [out, in]
+      EXPECT_LT(RelErr(b.tensor.grad(), at::mm(g, a.tensor.detach().t()) * s), 2e-4) << b.name;
+      EXPECT_LT(RelErr(a.tensor.grad(), at::mm(b.tensor.detach().t(), g) * s), 2e-4) << a.name;
+    }
+    ++checked;
+  }
+  EXPECT_GE(checked, 10);
+}
+
+TEST_P(Families, MergingKeepsTheOutputs) {
+  launch::RunConfig lora = LoraRun(GetParam());
+  auto m = Build(lora);
+  RandomizeB(*m);
+  const at::Tensor ids = Ids(lora.model.vocab_size);
+  torch::NoGradGuard no_grad;
+  const at::Tensor before = m->Forward(ids).logits;
+  m->MergeAdapters();
+  for (const Parameter& p : m->adapters()) {
+    if (p.name.find("lora_B") != std::string::npos)
+      EXPECT_EQ(p.tensor.abs().max().item<float>(), 0);
+  }
+  EXPECT_LT(RelErr(m->Forward(ids).logits, before), 1e-5);
+}
+
+TEST_P(Families, CountIsExact) {
+  launch::RunConfig lora = LoraRun(GetParam());
+  auto m = Build(lora);
+  int64_t n = 0;
+  for (const Parameter& p : m->adapters()) n += p.tensor.numel();
+  EXPECT_EQ(CountLoraParameters(lora.model, m->lora_targets(), 4), n);
+  EXPECT_EQ(m->trainable_parameters().size(), m->adapters().size());
+}
+
+INSTANTIATE_TEST_SUITE_P(Lora, Families,
+                         ::testing::Values("qwen3_moe", "qwen2_moe", "deepseek_v3"));
+
+std::vector<StepStats> Train(MoeModel& model, const launch::RunConfig& run) {
+  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+  EXPECT_TRUE(data.ok()) << data.status();
+  Trainer trainer(model, *data, run.train);
+  std::ostringstream log;
+  auto stats = trainer.Run(log);
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return *stats;
+}
+
+TEST(Lora, TrainingMovesTheAdaptersOnlyAndLowersTheLoss) {
+  launch::RunConfig run =
+      LoraRun("qwen3_moe", {"train.steps=12", "optimizer.lr=1e-2", "schedule.warmup_steps=0"});
+  auto m = Build(run);
+  std::vector<at::Tensor> base;
+  for (const Parameter& p : m->parameters()) base.push_back(p.tensor.detach().clone());
+  std::vector<StepStats> stats = Train(*m, run);
+  EXPECT_LT(stats.back().loss, stats.front().loss - 0.05);
+  for (size_t i = 0; i < base.size(); ++i) {
+    const Parameter& p = m->parameters()[i];
+    EXPECT_FALSE(p.tensor.requires_grad()) << p.name;
+    EXPECT_EQ(std::memcmp(base[i].data_ptr(), p.tensor.data_ptr(), p.tensor.nbytes()), 0)
+        << p.name << " changed";
+  }
+  for (const Parameter& p : m->adapters()) {
+    if (p.name.find("lora_B") != std::string::npos) {
+      EXPECT_GT(p.tensor.abs().max().item<float>(), 0) << p.name << " did not train";
+    }
+  }
+}
+
+TEST(Lora, Bfloat16BaseStaysBfloat16AndTracksFloat32) {
+  launch::RunConfig run = LoraRun("qwen3_moe", {"lora.base_dtype=bfloat16"});
+  run.runtime.dense_dtype = at::kBFloat16;
+  run.runtime.expert_dtype = at::kBFloat16;
+  auto narrow = Build(run);
+  for (const Parameter& p : narrow->parameters()) {
+    const bool matrix = p.tensor.dim() >= 2 && p.name.find("mlp.gate.") == std::string::npos;
+    EXPECT_EQ(p.tensor.scalar_type(), matrix ? at::kBFloat16 : at::kFloat) << p.name;
+  }
+  for (const Parameter& p : narrow->adapters()) EXPECT_EQ(p.tensor.scalar_type(), at::kFloat);
+  // The float32 model with the same (rounded) weights.
+  launch::RunConfig wide_run = LoraRun("qwen3_moe");
+  auto wide = Build(wide_run);
+  {
+    torch::NoGradGuard no_grad;
+    for (size_t i = 0; i < wide->parameters().size(); ++i) {
+      wide->parameters()[i].tensor.copy_(narrow->parameters()[i].tensor);
+    }
+  }
+  RandomizeB(*narrow);
+  RandomizeB(*wide);
+  const at::Tensor ids = Ids(run.model.vocab_size);
+  LossSum a = CausalLmLossSum(narrow->Forward(ids).logits, ids);
+  LossSum b = CausalLmLossSum(wide->Forward(ids).logits, ids);
+  EXPECT_LT(std::abs(a.sum.item<double>() - b.sum.item<double>()), 1e-2 * b.sum.item<double>());
+  a.sum.backward();
+  b.sum.backward();
+  for (size_t i = 0; i < narrow->adapters().size(); ++i) {
+    EXPECT_LT(RelErr(narrow->adapters()[i].tensor.grad(), wide->adapters()[i].tensor.grad()), 5e-2)
+        << narrow->adapters()[i].name;
+  }
+}
+
+TEST(Lora, RecomputationChangesNoNumber) {
+  for (const std::string& mode : {"full", "lora"}) {
+    std::vector<std::string> extra = {"train.steps=2", "optimizer.lr=1e-2"};
+    std::vector<std::string> sets = Shape("deepseek_v3");
+    if (mode == "lora") {
+      sets.insert(sets.end(), {"train.mode=lora", "lora.rank=4", "lora.dropout=0.1",
+                               "lora.target_modules=[q_a_proj,o_proj,experts]"});
+    }
+    sets.insert(sets.end(), extra.begin(), extra.end());
+    std::vector<double> losses[3];
+    for (int r = 0; r < 3; ++r) {
+      launch::RunConfig run = Config(sets);
+      run.runtime.recompute = static_cast<Recompute>(r);
+      auto m = Build(run);
+      for (const StepStats& s : Train(*m, run)) losses[r].push_back(s.loss);
+    }
+    for (int r = 1; r < 3; ++r) {
+      ASSERT_EQ(losses[r].size(), losses[0].size());
+      for (size_t i = 0; i < losses[0].size(); ++i) {
+        EXPECT_NEAR(losses[r][i], losses[0][i], 1e-6 * losses[0][i])
+            << mode << " recompute " << r << " step " << i;
+      }
+    }
+  }
+}
+
+TEST(Lora, TargetsResolveAsPeftDoes) {
+  launch::RunConfig run = Config(Shape("deepseek_v3"));
+  auto t =
+      ResolveLoraTargets(run.model, {"q_b_proj", "shared_experts.gate_proj", "experts.down_proj"});
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_TRUE(t->modules.contains("model.layers.1.self_attn.q_b_proj"));
+  EXPECT_TRUE(t->modules.contains("model.layers.2.mlp.shared_experts.gate_proj"));
+  EXPECT_FALSE(t->modules.contains("model.layers.0.mlp.gate_proj"));  // the dense layer's
+  EXPECT_FALSE(t->expert_gate_up);
+  EXPECT_TRUE(t->expert_down);
+  auto gate = ResolveLoraTargets(run.model, {"gate_proj"});
+  ASSERT_TRUE(gate.ok());
+  EXPECT_TRUE(gate->modules.contains("model.layers.0.mlp.gate_proj"));
+  EXPECT_TRUE(gate->modules.contains("model.layers.1.mlp.shared_experts.gate_proj"));
+  EXPECT_FALSE(gate->experts());
+
+  launch::RunConfig q3 = Config(Shape("qwen2_moe"));
+  auto bad = ResolveLoraTargets(q3.model, {"q_proj", "gate"});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("'gate' matches no module"), std::string::npos)
+      << bad.status();
+  launch::RunConfig plain = Config(Shape("qwen3_moe"));
+  plain.model.mlp_only_layers.clear();
+  auto fused = ResolveLoraTargets(plain.model, {"down_proj"});
+  ASSERT_FALSE(fused.ok());
+  EXPECT_NE(fused.status().message().find("experts.down_proj"), std::string::npos)
+      << fused.status();
+}
+
+}  // namespace
+}  // namespace moefit::framework

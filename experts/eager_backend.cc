@@ -16,6 +16,20 @@ at::Tensor AddLora(const at::Tensor& base, const at::Tensor& term) {
   return (base.to(term.scalar_type()) + term).to(base.scalar_type());
 }
 
+// Backward of one projection's LoRA term s·(in·aᵀ)·bᵀ given its output
+// gradient d_out: adds to grad_a and grad_b, returns the term's input gradient
+// (in the adapters' dtype).
+at::Tensor LoraBackward(const at::Tensor& in, const at::Tensor& d_out, const at::Tensor& a,
+                        const at::Tensor& b, double s, at::Tensor grad_a, at::Tensor grad_b) {
+  const at::ScalarType dt = a.scalar_type();
+  at::Tensor in_l = in.to(dt), d_l = d_out.to(dt);
+  at::Tensor u = at::matmul(in_l, a.t());
+  grad_b.add_(at::matmul(d_l.t(), u) * s);
+  at::Tensor du = at::matmul(d_l, b) * s;
+  grad_a.add_(at::matmul(du.t(), in_l));
+  return at::matmul(du, a);
+}
+
 // The [n, 2I] gate/up pre-activations of rows `xe` of expert e.
 at::Tensor GateUp(const at::Tensor& xe, int64_t e, const ExpertWeights& w) {
   at::Tensor gu = at::matmul(xe, w.gate_up_proj[e].t());
@@ -91,13 +105,8 @@ class EagerBackend final : public ExpertBackend {
       at::Tensor h = act * up;
       at::Tensor dh = at::matmul(dy, w.down_proj[e]);
       if (lora.has_down()) {
-        const at::ScalarType dt = lora.down_a.scalar_type();
-        at::Tensor hl = h.to(dt), dyl = dy.to(dt);
-        at::Tensor ud = at::matmul(hl, lora.down_a[e].t());
-        g.down_b[e].add_(at::matmul(dyl.t(), ud) * scale);
-        at::Tensor dud = at::matmul(dyl, lora.down_b[e]) * scale;
-        g.down_a[e].add_(at::matmul(dud.t(), hl));
-        dh = AddLora(dh, at::matmul(dud, lora.down_a[e]));
+        dh = AddLora(dh, LoraBackward(h, dy, lora.down_a[e], lora.down_b[e], scale, g.down_a[e],
+                                      g.down_b[e]));
       }
       if (options.base_weight_grads) g.down_proj[e].add_(at::matmul(dy.t(), h));
       at::Tensor d_gate = dh * up * (sig * (1 + gate * (1 - sig)));
@@ -106,13 +115,8 @@ class EagerBackend final : public ExpertBackend {
       if (options.base_weight_grads) g.gate_up_proj[e].add_(at::matmul(d_gu.t(), xe));
       at::Tensor dx = at::matmul(d_gu, w.gate_up_proj[e]);
       if (lora.has_gate_up()) {
-        const at::ScalarType dt = lora.gate_up_a.scalar_type();
-        at::Tensor xl = xe.to(dt), dgul = d_gu.to(dt);
-        at::Tensor ugu = at::matmul(xl, lora.gate_up_a[e].t());
-        g.gate_up_b[e].add_(at::matmul(dgul.t(), ugu) * scale);
-        at::Tensor dugu = at::matmul(dgul, lora.gate_up_b[e]) * scale;
-        g.gate_up_a[e].add_(at::matmul(dugu.t(), xl));
-        dx = AddLora(dx, at::matmul(dugu, lora.gate_up_a[e]));
+        dx = AddLora(dx, LoraBackward(xe, d_gu, lora.gate_up_a[e], lora.gate_up_b[e], scale,
+                                      g.gate_up_a[e], g.gate_up_b[e]));
       }
       g.x.narrow(0, row, n).copy_(dx);
       row += n;

@@ -15,6 +15,7 @@
 
 #include "framework/model.h"
 #include "launch/config.h"
+#include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
 namespace {
@@ -28,22 +29,8 @@ at::Tensor Random(std::vector<int64_t> shape, at::Generator& gen, double scale =
 void ExpectGradientsMatch(const std::function<at::Tensor()>& loss, std::vector<at::Tensor> inputs) {
   for (at::Tensor& t : inputs) t.requires_grad_(true);
   loss().backward();
-  const double eps = 1e-6;
-  torch::NoGradGuard no_grad;
   for (size_t n = 0; n < inputs.size(); ++n) {
-    at::Tensor flat = inputs[n].view({-1});
-    at::Tensor analytic = inputs[n].grad().view({-1});
-    double worst = 0;
-    for (int64_t i = 0; i < flat.numel(); ++i) {
-      const double saved = flat[i].item<double>();
-      flat[i] = saved + eps;
-      const double up = loss().item<double>();
-      flat[i] = saved - eps;
-      const double down = loss().item<double>();
-      flat[i] = saved;
-      worst = std::max(worst, std::abs(analytic[i].item<double>() - (up - down) / (2 * eps)));
-    }
-    EXPECT_LT(worst, 1e-7) << "input " << n;
+    EXPECT_LT(WorstCentralDifference(inputs[n], loss), 1e-7) << "input " << n;
   }
 }
 

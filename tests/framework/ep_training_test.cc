@@ -31,6 +31,7 @@
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "tests/framework/test_configs.h"
 #include "parallel/local_communicator.h"
 #include "parallel/process_groups.h"
 #include "tests/parallel/mpi_test_env.h"
@@ -70,12 +71,7 @@ launch::RunConfig SmallRun(int64_t micro_batch, const std::string& family) {
                                    "optimizer.eps=1e-4",
                                    "train.micro_batch_size=" + std::to_string(micro_batch)};
   for (const std::string& s : FamilySets(family)) sets.push_back(s);
-  auto c = launch::LoadConfig("", sets);
-  EXPECT_TRUE(c.ok()) << c.status();
-  auto r = launch::ResolveConfig(*c);
-  EXPECT_TRUE(r.ok()) << r.status();
-  r->runtime.expert_threads = 1;
-  return *r;
+  return DemoRunConfig(sets);
 }
 
 // The corpus as SFT samples of 17 to 96 bytes, the first 5 of each not

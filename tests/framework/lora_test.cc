@@ -20,6 +20,7 @@
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
 namespace {
@@ -47,14 +48,7 @@ std::vector<std::string> Shape(const std::string& family) {
   return s;
 }
 
-launch::RunConfig Config(std::vector<std::string> sets) {
-  auto c = launch::LoadConfig("", sets);
-  EXPECT_TRUE(c.ok()) << c.status();
-  auto r = launch::ResolveConfig(*c);
-  EXPECT_TRUE(r.ok()) << r.status();
-  r->runtime.expert_threads = 1;
-  return *r;
-}
+launch::RunConfig Config(const std::vector<std::string>& sets) { return DemoRunConfig(sets); }
 
 launch::RunConfig LoraRun(const std::string& family, std::vector<std::string> extra = {}) {
   std::vector<std::string> s = Shape(family);

@@ -20,6 +20,7 @@
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
+#include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
 namespace {
@@ -142,12 +143,7 @@ launch::RunConfig SmallRun(const std::string& family, std::vector<std::string> s
     sets.push_back(s);
   }
   for (const std::string& s : FamilySets(family)) sets.push_back(s);
-  auto c = launch::LoadConfig("", sets);
-  EXPECT_TRUE(c.ok()) << c.status();
-  auto r = launch::ResolveConfig(*c);
-  EXPECT_TRUE(r.ok()) << r.status();
-  r->runtime.expert_threads = 1;
-  return *r;
+  return DemoRunConfig(sets);
 }
 
 std::vector<int64_t> RandomIds(int64_t n, at::Generator& gen) {

@@ -6,6 +6,7 @@
 // requiring grad (integer positions passed through); nesting; one run under
 // no-grad; central differences in float64; and the refused uses.
 #include "framework/recompute.h"
+#include "tests/framework/test_configs.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -238,22 +239,8 @@ TEST(Recompute, GradientMatchesCentralDifferences) {
     return (out[0] * probe).sum() + 0.5 * out[1];
   };
   loss().backward();
-  const double eps = 1e-6;
-  at::NoGradGuard no_grad;
   for (const at::Tensor& t : {x, w.w1, w.b1, w.w2}) {
-    at::Tensor flat = t.view({-1});
-    at::Tensor analytic = t.grad().view({-1});
-    double worst = 0;
-    for (int64_t i = 0; i < flat.numel(); ++i) {
-      const double saved = flat[i].item<double>();
-      flat[i] = saved + eps;
-      const double up = loss().item<double>();
-      flat[i] = saved - eps;
-      const double down = loss().item<double>();
-      flat[i] = saved;
-      worst = std::max(worst, std::abs(analytic[i].item<double>() - (up - down) / (2 * eps)));
-    }
-    EXPECT_LT(worst, 1e-7);
+    EXPECT_LT(WorstCentralDifference(t, loss), 1e-7);
   }
 }
 

@@ -16,18 +16,12 @@
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
 namespace {
 
-launch::RunConfig Demo(const std::vector<std::string>& sets) {
-  auto c = launch::LoadConfig("", sets);
-  EXPECT_TRUE(c.ok()) << c.status();
-  auto r = launch::ResolveConfig(*c);
-  EXPECT_TRUE(r.ok()) << r.status();
-  r->runtime.expert_threads = 1;
-  return *r;
-}
+launch::RunConfig Demo(const std::vector<std::string>& sets) { return DemoRunConfig(sets); }
 
 std::vector<StepStats> Train(const launch::RunConfig& run) {
   auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");

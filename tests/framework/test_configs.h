@@ -1,0 +1,49 @@
+// Helpers shared by the framework tests: the demo run config with overrides,
+// and the central-difference check of gradients.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "launch/config.h"
+
+namespace moefit::framework {
+
+// The demo config with `sets` applied, resolved, one expert thread.
+inline launch::RunConfig DemoRunConfig(const std::vector<std::string>& sets) {
+  auto c = launch::LoadConfig("", sets);
+  EXPECT_TRUE(c.ok()) << c.status();
+  auto r = launch::ResolveConfig(*c);
+  EXPECT_TRUE(r.ok()) << r.status();
+  r->runtime.expert_threads = 1;
+  return *r;
+}
+
+// The largest |analytic - central difference| over every element of `t`
+// (float64, with its .grad from a backward of `loss`), moving each element by
+// ±eps in place.
+inline double WorstCentralDifference(const at::Tensor& t, const std::function<at::Tensor()>& loss,
+                                     double eps = 1e-6) {
+  at::NoGradGuard no_grad;
+  at::Tensor flat = t.view({-1});
+  at::Tensor analytic = t.grad().view({-1});
+  double worst = 0;
+  for (int64_t i = 0; i < flat.numel(); ++i) {
+    const double saved = flat[i].item<double>();
+    flat[i] = saved + eps;
+    const double up = loss().item<double>();
+    flat[i] = saved - eps;
+    const double down = loss().item<double>();
+    flat[i] = saved;
+    worst = std::max(worst, std::abs(analytic[i].item<double>() - (up - down) / (2 * eps)));
+  }
+  return worst;
+}
+
+}  // namespace moefit::framework

@@ -5,7 +5,8 @@
 // family); merging folds the adapters in without changing the outputs;
 // training moves the adapters only (the base bytes are unchanged); the
 // parameter count is exact; a bfloat16 base stays bfloat16; target names are
-// resolved as PEFT resolves them; recomputation changes no number.
+// resolved as PEFT resolves them; recomputation changes no number; the dense
+// adapter against central differences in double.
 #include "framework/lora.h"
 
 #include <ATen/ATen.h>
@@ -269,6 +270,27 @@ TEST(Lora, RecomputationChangesNoNumber) {
         EXPECT_NEAR(losses[r][i], losses[0][i], 1e-6 * losses[0][i])
             << mode << " recompute " << r << " step " << i;
       }
+    }
+  }
+}
+
+// The dense adapter's gradients (A, B, and x through a frozen weight, also one
+// stored narrower than the activations) against central differences in double.
+TEST(Lora, LinearGradientsMatchCentralDifferences) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  for (at::ScalarType weight_dtype : {at::kDouble, at::kBFloat16}) {
+    at::Tensor x = at::randn({3, 5}, gen, at::kDouble).requires_grad_();
+    const at::Tensor weight = at::randn({4, 5}, gen, at::kDouble).to(weight_dtype);
+    const at::Tensor bias = at::randn({4}, gen, at::kDouble).to(weight_dtype);
+    LoraAdapter adapter;
+    adapter.a = at::randn({2, 5}, gen, at::kDouble).requires_grad_();
+    adapter.b = at::randn({4, 2}, gen, at::kDouble).requires_grad_();
+    adapter.scaling = 1.5;
+    const at::Tensor probe = at::randn({3, 4}, gen, at::kDouble);
+    auto loss = [&] { return (Linear(x, weight, bias, adapter) * probe).sum(); };
+    loss().backward();
+    for (const at::Tensor& t : {x, adapter.a, adapter.b}) {
+      EXPECT_LT(WorstCentralDifference(t, loss), 1e-7) << weight_dtype;
     }
   }
 }

@@ -167,11 +167,32 @@ absl::StatusOr<AdapterConfig> ReadAdapterConfig(const std::string& dir) {
     return bad("peft_type",
                absl::StrCat("= ", j["peft_type"].dump(), ": only LORA adapters are read"));
   }
-  for (const char* key : {"use_dora", "lora_bias", "fan_in_fan_out", "rank_pattern",
-                          "alpha_pattern", "layers_to_transform", "modules_to_save", "use_qalora",
-                          "trainable_token_indices", "layer_replication"}) {
-    if (is_set(key))
-      return bad(key, absl::StrCat("= ", j[key].dump(), " is not supported by moefit"));
+  // Read, or with no effect on the weights; every other key must be unset
+  // (null, false, empty), so that a setting moefit does not implement (DoRA,
+  // patterns, excluded modules, aLoRA, ...) is never applied silently.
+  static const std::set<std::string> kKnown = {"peft_type",
+                                               "task_type",
+                                               "base_model_name_or_path",
+                                               "revision",
+                                               "r",
+                                               "lora_alpha",
+                                               "lora_dropout",
+                                               "use_rslora",
+                                               "target_modules",
+                                               "target_parameters",
+                                               "bias",
+                                               "inference_mode",
+                                               "init_lora_weights",
+                                               "peft_version",
+                                               "auto_mapping",
+                                               "layers_pattern",
+                                               "megatron_core",
+                                               "qalora_group_size",
+                                               "ensure_weight_tying"};
+  for (const auto& [key, value] : j.items()) {
+    if (!kKnown.contains(key) && is_set(key.c_str())) {
+      return bad(key, absl::StrCat("= ", value.dump(), " is not supported by moefit"));
+    }
   }
   if (j.contains("bias") && j["bias"] != "none") {
     return bad("bias", absl::StrCat("= ", j["bias"].dump(), " is not supported (only \"none\")"));
@@ -238,9 +259,11 @@ absl::Status SaveAdapter(const MoeModel& model, const std::string& dir_in,
   std::vector<std::pair<std::string, at::Tensor>> fused;
   std::map<std::string, at::Tensor> whole;  // moefit name -> [E, ...] or dense
   for (const Parameter& p : model.adapters()) {
+    // Gathered one tensor at a time; only rank 0, which writes, keeps them.
     at::Tensor t = p.expert ? GatherExperts(p.tensor, model, *groups.expert_parallel)
                             : p.tensor.detach().to(at::kCPU);
-    whole[p.name] = t;
+    if (!rank0) continue;
+    if (options.per_expert) whole[p.name] = t;
     const StoredName n = PeftName(p, targets);
     fused.emplace_back(n.key, n.kind == StoredName::kExpertA   ? FuseA(t)
                               : n.kind == StoredName::kExpertB ? FuseB(t)

@@ -76,7 +76,11 @@ absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
   MOEFIT_ASSIGN_OR_RETURN(checkpoint::SafetensorsFile f, checkpoint::SafetensorsFile::Open(file));
   for (const checkpoint::TensorInfo& t : f.tensors()) {
     const std::optional<at::ScalarType> type = checkpoint::ToScalarType(t.dtype);
-    if (!t.name.ends_with(".weight") || !type || !at::isFloatingType(*type)) continue;
+    // A weight matrix: norms and routers may be kept wider than the rest.
+    if (!t.name.ends_with(".weight") || t.shape.size() != 2 ||
+        t.name.find("mlp.gate.") != std::string::npos || !type || !at::isFloatingType(*type)) {
+      continue;
+    }
     if (*type == at::kBFloat16 || *type == at::kFloat8_e4m3fn) return at::kBFloat16;
     return at::kFloat;
   }

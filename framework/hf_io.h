@@ -29,7 +29,8 @@ namespace moefit::framework {
 void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& load);
 
 // The dtype a frozen base loaded from the HF directory `dir` keeps: that of
-// its weight matrices (the first shard's first floating ".weight" tensor),
+// its weight matrices (the first shard's first 2-D floating ".weight" tensor
+// that is not a router),
 // with FP8 dequantized to bfloat16 and float16 held as float32.
 absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir);
 

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -113,11 +114,13 @@ absl::StatusOr<LoraTargets> ResolveLoraTargets(const ModelOptions& o,
         "lora.target_modules is empty: name the modules to adapt (e.g. q_proj, v_proj, experts)");
   }
   const std::vector<LinearModule> modules = LinearModules(o);
-  // Names of one MoE layer's fused experts module and its two parameters.
-  std::string experts_module;
-  for (int64_t i = 0; i < o.num_hidden_layers && experts_module.empty(); ++i) {
-    if (o.IsMoeLayer(i)) experts_module = absl::StrCat("model.layers.", i, ".mlp.experts");
+  // Every MoE layer's fused experts module (one adapter setting for all of them).
+  std::vector<std::string> experts_modules;
+  for (int64_t i = 0; i < o.num_hidden_layers; ++i) {
+    if (o.IsMoeLayer(i))
+      experts_modules.push_back(absl::StrCat("model.layers.", i, ".mlp.experts"));
   }
+  const std::string experts_module = experts_modules.empty() ? "" : experts_modules.front();
   LoraTargets t;
   for (const std::string& entry : entries) {
     bool matched = false;
@@ -139,6 +142,12 @@ absl::StatusOr<LoraTargets> ResolveLoraTargets(const ModelOptions& o,
     // dense modules, as in PEFT's target_modules).
     const bool names_experts = entry.find("experts") != std::string::npos ||
                                entry.find("gate_up_proj") != std::string::npos;
+    if (!experts_module.empty() && names_experts && entry.find("layers.") != std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "lora.target_modules: '", entry,
+          "' names one layer's routed experts; they are adapted "
+          "in every MoE layer or none (experts, experts.gate_up_proj, experts.down_proj)"));
+    }
     if (!experts_module.empty() && names_experts) {
       const bool whole = SuffixMatch(experts_module, entry);
       if (whole || SuffixMatch(experts_module + ".gate_up_proj", entry)) {
@@ -150,6 +159,9 @@ absl::StatusOr<LoraTargets> ResolveLoraTargets(const ModelOptions& o,
     }
     if (!matched) {
       std::string hint;
+      if (o.tie_word_embeddings && entry == "lm_head") {
+        hint = " (its LM head is the input embedding, tied: not adapted)";
+      }
       if (!experts_module.empty() &&
           (entry == "gate_proj" || entry == "up_proj" || entry == "down_proj")) {
         hint =

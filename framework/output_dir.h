@@ -1,7 +1,7 @@
 // Output directories that appear whole or not at all: everything is written
-// under DIR.partial, every file fsynced, and the finished directory renamed to
-// DIR (an older DIR survives until the new one is complete, as DIR.old for the
-// moment between the two renames).
+// under DIR.partial (the files moefit writes fsynced), the directory fsynced,
+// and the finished directory renamed to DIR (an older DIR survives until the
+// new one is complete, as DIR.old for the moment between the two renames).
 #pragma once
 
 #include <filesystem>

@@ -76,8 +76,8 @@ struct Trainer::Impl {
         groups(g != nullptr ? *g : LocalGroups(m)),
         sampler(d.num_sequences(), o.seed) {
     // Dropout (LoRA's) draws from the default generator: the same seed, the
-    // same masks, run after run.
-    at::manual_seed(o.seed);
+    // same masks, run after run; each rank its own stream.
+    at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
     for (const Parameter& p : model.trainable_parameters()) {
       (p.expert ? expert_params : dense_params).push_back(p.tensor);

@@ -756,10 +756,22 @@ absl::Status ResolveLora(const proto::Config& c, RunConfig& run) {
   // An adapter to apply (eval, merge) makes a LoRA model whatever train.mode says.
   const bool lora = mode == "lora" || !l.adapter_path().empty();
   if (!lora) {
-    if (l.has_rank() || l.target_modules_size() > 0 || !l.init_from().empty()) {
+    if (l.has_rank() || l.has_alpha() || l.has_dropout() || l.has_use_rslora() ||
+        l.target_modules_size() > 0 || !l.init_from().empty() || !l.base_dtype().empty() ||
+        l.save_per_expert()) {
       return Invalid("lora.* is set but train.mode is not lora (set train.mode=lora)");
     }
     return absl::OkStatus();
+  }
+  if (mode == "full") {
+    return Invalid(
+        "lora.adapter_path applies an adapter to a frozen model (moefit eval, merge); "
+        "train.mode = 'full' trains every weight: drop one of them");
+  }
+  if (!c.checkpoint().save_dtype().empty()) {
+    return Invalid(
+        "checkpoint.save_dtype applies to model saves; in train.mode lora the adapter "
+        "is written in float32");
   }
   framework::LoraOptions& o = run.runtime.lora;
   o.rank = l.has_rank() ? l.rank() : 0;
@@ -789,7 +801,7 @@ absl::Status ResolveLora(const proto::Config& c, RunConfig& run) {
     }
     if (l.target_modules_size() > 0) {
       auto mine = framework::ResolveLoraTargets(run.model, o.target_modules);
-      auto theirs = framework::ResolveLoraTargets(run.model, targets);
+      auto theirs = framework::ResolveLoraTargets(run.model, targets);  // the adapter's
       if (!mine.ok()) return mine.status();
       if (!theirs.ok()) {
         return Invalid(
@@ -820,8 +832,15 @@ absl::Status ResolveLora(const proto::Config& c, RunConfig& run) {
   }
   absl::StatusOr<framework::LoraTargets> targets =
       framework::ResolveLoraTargets(run.model, o.target_modules);
+  if (!targets.ok() && !adapter_dir.empty() && l.target_modules_size() == 0) {
+    return Invalid(absl::StrCat(adapter_dir,
+                                "/adapter_config.json: its targets do not fit this "
+                                "model: ",
+                                targets.status().message()));
+  }
   if (!targets.ok()) return targets.status();
   run.lora_init_from = adapter_dir;
+  run.lora_adapter_only = !l.adapter_path().empty();
   run.lora_save_per_expert = l.save_per_expert();
   MOEFIT_ASSIGN_OR_RETURN(run.lora_base_dtype, OptionalDtype("lora.base_dtype", l.base_dtype()));
   // The correction biases are base state an adapter cannot carry.

@@ -67,6 +67,7 @@ struct RunConfig {
   // LoRA (runtime.lora.enabled()): the adapter to start from or to apply
   // (empty = a new one), and whether saves also write the per-expert layout.
   std::string lora_init_from;
+  bool lora_adapter_only = false;  // lora.adapter_path: applied, not trained (eval, merge)
   bool lora_save_per_expert = false;
   // Frozen-base dtype (lora.base_dtype); nullopt = the checkpoint's.
   std::optional<at::ScalarType> lora_base_dtype;

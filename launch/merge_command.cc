@@ -23,7 +23,9 @@ absl::Status RunMerge(const std::string& base, const std::string& adapter, const
       LoadConfigText("", "<merge>", {"model.model_path=" + base, "lora.adapter_path=" + adapter}));
   MOEFIT_ASSIGN_OR_RETURN(RunConfig run, ResolveConfig(config));
   MOEFIT_ASSIGN_OR_RETURN(at::ScalarType base_dtype, framework::CheckpointBaseDtype(base));
-  run.lora_base_dtype = base_dtype;
+  // The fold is rounded once, to the written dtype: a float32 save merges into
+  // a float32 copy of the base.
+  run.lora_base_dtype = options.dtype.value_or(base_dtype) == at::kFloat ? at::kFloat : base_dtype;
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
   built.model->MergeAdapters();
   framework::SaveOptions save;

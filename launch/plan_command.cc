@@ -109,9 +109,11 @@ std::vector<Linear> AttentionProjections(const ModelOptions& o) {
 // LoRA of rank r on W [out, in]: A [r, in] and B [out, r].
 int64_t LoraParams(int64_t r, const Linear& l) { return r * (l.in + l.out); }
 
-// Adapters of one routed expert: gate and up (H -> I), down (I -> H).
+// Adapters of one routed expert as moefit trains them (PEFT's target_parameters
+// on the fused experts): one on gate|up (H -> 2I), one on down (I -> H).
 int64_t LoraParamsPerExpert(const ModelOptions& o, int64_t r) {
-  return 3 * LoraParams(r, {o.hidden_size, o.moe_intermediate_size});
+  const int64_t h = o.hidden_size, i = o.moe_intermediate_size;
+  return LoraParams(r, {h, 2 * i}) + LoraParams(r, {i, h});
 }
 
 // Adapters on every attention projection of every layer.

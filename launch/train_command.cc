@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdio>
+#include <filesystem>
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
@@ -41,6 +42,14 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   out.groups = std::move(*groups);
   run.runtime.expert_group = out.groups.expert_parallel;
+  if (run.runtime.recompute == framework::Recompute::kFull && !run.runtime.dense_device.is_cpu() &&
+      out.groups.world->size() > 1) {
+    // Its recomputation would run the layer's collectives on the GPU's autograd
+    // thread, and MPI is started for the main thread only.
+    return absl::InvalidArgumentError(
+        "train.recompute = 'full' with the dense layers on a GPU runs in one process only; use "
+        "train.recompute = 'experts' under mpirun");
+  }
   if (run.runtime.lora.enabled()) {
     // The frozen base stays in its checkpoint's dtype unless told otherwise.
     at::ScalarType base = at::kFloat;
@@ -97,6 +106,22 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
                          std::ostream& log_in) {
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
+  if (run.lora_adapter_only) {
+    return absl::InvalidArgumentError(
+        "lora.adapter_path applies an adapter without training it (moefit eval, merge); to "
+        "continue training an adapter use lora.init_from");
+  }
+  // The save replaces its directory: never the model or adapter being read.
+  for (const std::string& input : {run.model_path, run.lora_init_from}) {
+    std::error_code ec;
+    if (!run.save_dir.empty() && !input.empty() &&
+        std::filesystem::weakly_canonical(run.save_dir, ec) ==
+            std::filesystem::weakly_canonical(input, ec)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "checkpoint.save_dir = '", run.save_dir, "' is the directory the run reads (", input,
+          "): the save would replace it; choose another directory"));
+    }
+  }
   absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));

@@ -163,3 +163,44 @@ def test_bad_adapters_are_named(build_dir, tmp_path):
     assert run.returncode == 2 and "lora.rank = 8" in run.stderr, run.stderr
     run = eval_with(tmp_path / "nowhere")
     assert run.returncode == 2 and "adapter_config.json" in run.stderr, run.stderr
+    config_path.write_text(json.dumps(dict(config, exclude_modules=["q_proj"])))
+    run = eval_with(tmp_path / "adapter")
+    assert run.returncode == 2 and "exclude_modules" in run.stderr, run.stderr
+    config_path.write_text(json.dumps(config))
+
+    def train_with(*sets):
+        args = [str(build_dir / "launch/moefit"), "train", "--set", f"model.model_path={tmp_path / 'hf'}",
+                "--set", "train.steps=1", "--set", "logging.metrics_file="]
+        for s in sets:
+            args += ["--set", s]
+        return subprocess.run(args, capture_output=True, text=True, timeout=120, env=MPI_ENV)
+
+    run = train_with(f"lora.adapter_path={tmp_path / 'adapter'}")
+    assert run.returncode == 2 and "lora.init_from" in run.stderr, run.stderr
+    run = train_with("train.mode=lora", "lora.rank=4", "lora.target_modules=[q_proj]",
+                     f"checkpoint.save_dir={tmp_path / 'hf'}")
+    assert run.returncode == 2 and "checkpoint.save_dir" in run.stderr, run.stderr
+    assert (tmp_path / "hf" / "config.json").exists()
+    run = train_with("train.mode=lora", "lora.rank=4",
+                     "lora.target_modules=[model.layers.0.mlp.experts]")
+    assert run.returncode == 2 and "one layer's routed experts" in run.stderr, run.stderr
+
+
+def test_float32_merge_of_a_bfloat16_base_rounds_once(build_dir, tmp_path):
+    """A bfloat16 base merged with --save-dtype float32 keeps W + s·B·A in
+    float32 (not rounded to bfloat16 first)."""
+    model = make_model("qwen3_moe", tmp_path / "hf32")
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "hf")
+    train_adapter(build_dir, "qwen3_moe", tmp_path / "hf", tmp_path / "adapter", np=1, steps=2)
+    moefit(build_dir, "merge", tmp_path / "hf", tmp_path / "adapter", tmp_path / "merged",
+           "--save-dtype", "float32")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "adapter")
+    reference = peft_model.merge_and_unload().state_dict()
+    rounded = 0
+    for name, t in merged.state_dict().items():
+        assert t.dtype == torch.float32, name
+        assert torch.allclose(t, reference[name], atol=1e-6, rtol=1e-5), name
+        rounded += int(torch.equal(t, t.to(torch.bfloat16).float()))
+    assert rounded < len(reference), "every merged weight is a bfloat16 value"

@@ -78,10 +78,11 @@ TEST(Plan, LoraFp8ByHand) {
   EXPECT_EQ(p.ram.expert_weights, 6 * (6144 + 3 * 4));
   EXPECT_EQ(p.ram.expert_grads, 0);
   EXPECT_EQ(p.ram.expert_optimizer, 0);
-  // Rank 4 on gate, up (64 -> 32) and down (32 -> 64): 3 * 4 * 96 parameters
-  // per expert, 16 bytes each.
-  EXPECT_EQ(p.lora_params_per_expert, 3 * 4 * 96);
-  EXPECT_EQ(p.ram.lora, 6 * 1152 * 16);
+  // Rank 4 on the fused gate|up (64 -> 2 * 32) and on down (32 -> 64), as
+  // training adapts them: 4 * (64 + 64) + 4 * (32 + 64) = 896 parameters per
+  // expert, 16 bytes each.
+  EXPECT_EQ(p.lora_params_per_expert, 4 * (64 + 64) + 4 * (32 + 64));
+  EXPECT_EQ(p.ram.lora, 6 * 896 * 16);
   // fp8 experts compute in bf16.
   EXPECT_EQ(p.ram.activations, 2 * 32 * 128 * 2);
   // Frozen bf16 dense part; rank 4 on q (64 -> 64), k, v (64 -> 32), o (64 -> 64) of 3 layers.
@@ -89,7 +90,7 @@ TEST(Plan, LoraFp8ByHand) {
   EXPECT_EQ(p.gpu.dense_grads + p.gpu.dense_optimizer, 0);
   EXPECT_EQ(p.lora_params_attention, 3 * 4 * (128 + 96 + 96 + 128));
   EXPECT_EQ(p.gpu.lora, p.lora_params_attention * 16);
-  EXPECT_EQ(p.trainable_params, 2 * 10 * 1152 + p.lora_params_attention);
+  EXPECT_EQ(p.trainable_params, 2 * 10 * 896 + p.lora_params_attention);
 }
 
 TEST(Plan, MlaAttentionAdapters) {

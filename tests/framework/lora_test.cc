@@ -166,8 +166,9 @@ TEST_P(Families, MergingKeepsTheOutputs) {
   const at::Tensor before = m->Forward(ids).logits;
   m->MergeAdapters();
   for (const Parameter& p : m->adapters()) {
-    if (p.name.find("lora_B") != std::string::npos)
+    if (p.name.find("lora_B") != std::string::npos) {
       EXPECT_EQ(p.tensor.abs().max().item<float>(), 0);
+    }
   }
   EXPECT_LT(RelErr(m->Forward(ids).logits, before), 1e-5);
 }
@@ -249,7 +250,7 @@ TEST(Lora, Bfloat16BaseStaysBfloat16AndTracksFloat32) {
 }
 
 TEST(Lora, RecomputationChangesNoNumber) {
-  for (const std::string& mode : {"full", "lora"}) {
+  for (const std::string mode : {"full", "lora"}) {
     std::vector<std::string> extra = {"train.steps=2", "optimizer.lr=1e-2"};
     std::vector<std::string> sets = Shape("deepseek_v3");
     if (mode == "lora") {

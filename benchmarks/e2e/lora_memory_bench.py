@@ -137,6 +137,14 @@ def main():
             slope = (big - small) / (expert_params(sizes[1]) - expert_params(sizes[0]))
             print(f"{name:24} {big / 2**30:6.2f} GiB {slope:23.2f} {step:8.2f} "
                   f"{step / full_step:17.2f}")
+        # What the slope must hold in LoRA mode: the bf16 weights, and each
+        # expert's adapters (gate|up: r(H + 2I), down: r(I + H)) with their
+        # gradients and AdamW m, v in fp32.
+        h, i, r = args.hidden, args.inter, args.rank
+        adapters = 16 * r * (2 * h + 3 * i) / (3 * h * i)
+        print(f"LoRA floor: 2.00 B (bf16 weights) + {adapters:.2f} B (adapter, gradient, m, v) = "
+              f"{2 + adapters:.2f} B per expert parameter; the slope also holds allocator growth, "
+              f"which varies from run to run by a few tenths")
 
 if __name__ == "__main__":
     main()

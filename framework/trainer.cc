@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <google/protobuf/util/json_util.h>
 #include <torch/csrc/autograd/grad_mode.h>
-#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <chrono>
@@ -14,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "experts/expert_function.h"
+#include "framework/adamw.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "proto/metrics.pb.h"
@@ -65,7 +65,7 @@ struct Trainer::Impl {
   TrainOptions options;
   parallel::ProcessGroups groups;
   BatchSampler sampler;
-  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::unique_ptr<FusedAdamW> optimizer;
   std::vector<at::Tensor> dense_params, expert_params;
 
   Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
@@ -87,16 +87,9 @@ struct Trainer::Impl {
     for (const Parameter& p : model.trainable_parameters()) {
       (p.weight_decay ? decay : no_decay).push_back(p.tensor);
     }
-    auto group_options = [&](double wd) {
-      auto opts = std::make_unique<torch::optim::AdamWOptions>(o.optimizer.lr);
-      opts->betas({o.optimizer.beta1, o.optimizer.beta2}).eps(o.optimizer.eps).weight_decay(wd);
-      return opts;
-    };
-    std::vector<torch::optim::OptimizerParamGroup> param_groups;
-    param_groups.emplace_back(decay, group_options(o.optimizer.weight_decay));
-    param_groups.emplace_back(no_decay, group_options(0.0));
-    optimizer = std::make_unique<torch::optim::AdamW>(
-        param_groups, torch::optim::AdamWOptions(o.optimizer.lr));
+    optimizer = std::make_unique<FusedAdamW>(
+        std::vector<FusedAdamW::Group>{{decay, o.optimizer.weight_decay}, {no_decay, 0.0}},
+        AdamWHyper{o.optimizer.beta1, o.optimizer.beta2, o.optimizer.eps});
   }
 
   static std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params) {
@@ -105,13 +98,9 @@ struct Trainer::Impl {
     return grads;
   }
 
-  // Sum of squared gradient entries, with one host sync for all parameters.
+  // Sum of squared gradient entries.
   static double SquaredNorm(const std::vector<at::Tensor>& params) {
-    std::vector<at::Tensor> sums;
-    for (const at::Tensor& p : params) {
-      if (p.grad().defined()) sums.push_back(p.grad().to(at::kDouble).pow(2).sum());
-    }
-    return sums.empty() ? 0.0 : at::stack(sums).sum().item<double>();
+    return SquaredNormSum(Grads(params));
   }
 
   // Sums gradients over their groups, then returns the global L2 norm and
@@ -167,7 +156,7 @@ StepStats Trainer::Step(int64_t step) {
   StepStats stats;
   stats.step = step + 1;
   stats.lr = ScheduledLr(o, step);
-  s.optimizer->zero_grad();
+  s.optimizer->ZeroGrad();
   double loss_here = 0, aux_here = 0;
   at::Tensor load;  // [moe layers, E] assignments over the global batch
   std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
@@ -218,10 +207,7 @@ StepStats Trainer::Step(int64_t step) {
   stats.loss = sums[0].item<double>() / static_cast<double>(trained);
   stats.aux_loss = sums[1].item<double>() / static_cast<double>(o.grad_accum_steps);
   stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
-  for (auto& group : s.optimizer->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(stats.lr);
-  }
-  s.optimizer->step();
+  s.optimizer->Step(stats.lr);
   // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
   // rate towards balance, from the global batch's counts, which every rank
   // holds alike, so the biases stay equal on all ranks.

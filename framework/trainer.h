@@ -1,5 +1,6 @@
-// The training loop: global batches, gradient accumulation, AdamW with a
-// warm-up + cosine schedule, global-norm clipping, progress and metrics.
+// The training loop: global batches, gradient accumulation, AdamW (fused,
+// framework/adamw.h) with a warm-up + cosine schedule, global-norm clipping,
+// progress and metrics.
 //
 // Data parallelism: the global batch of a step is split over the
 // data-parallel ranks (micro-batch m of rank r is positions

@@ -39,14 +39,18 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
  public:
   using Lora = std::optional<at::Tensor>;
 
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
-                            const at::Tensor& gate_up_proj, const at::Tensor& down_proj,
-                            const Lora& gate_up_a, const Lora& gate_up_b, const Lora& down_a,
-                            const Lora& down_b, double scaling, ExpertBackend* backend,
+  // `gate_up_in` / `down_in` receive the base gradients (the compute weights
+  // themselves, or their float32 masters); the backend computes with
+  // gate_up_proj / down_proj.
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gate_up_in,
+                            const at::Tensor& down_in, const Lora& gate_up_a, const Lora& gate_up_b,
+                            const Lora& down_a, const Lora& down_b, at::Tensor gate_up_proj,
+                            at::Tensor down_proj, double scaling, ExpertBackend* backend,
                             const std::vector<int64_t>& counts, bool recompute,
                             bool base_weight_grads) {
     ComputeTimer timer;
     auto get = [](const Lora& t) { return t.has_value() ? *t : at::Tensor(); };
+    ctx->saved_data["master_dtype"] = static_cast<int64_t>(gate_up_in.scalar_type());
     const ExpertWeights w{
         gate_up_proj, down_proj,
         ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling}};
@@ -73,8 +77,13 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     options.base_weight_grads = ctx->saved_data["base_weight_grads"].toBool();
     ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0], counts,
                                       w, saved[7], options);
-    return {g.x,      g.gate_up_proj, g.down_proj,  g.gate_up_a,  g.gate_up_b,  g.down_a,
-            g.down_b, at::Tensor(),   at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const auto master =
+        static_cast<at::ScalarType>(ctx->saved_data["master_dtype"].toInt());
+    auto to_master = [&](const at::Tensor& t) { return t.defined() ? t.to(master) : t; };
+    return {g.x,          to_master(g.gate_up_proj), to_master(g.down_proj), g.gate_up_a,
+            g.gate_up_b,  g.down_a,                  g.down_b,               at::Tensor(),
+            at::Tensor(), at::Tensor(),              at::Tensor(),           at::Tensor(),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -139,12 +148,26 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                   lora.gate_up_a.scalar_type() == lora.down_a.scalar_type(),
               "LoRA gate_up and down tensors must share a dtype");
   TORCH_CHECK(std::isfinite(lora.scaling), "LoRA scaling must be finite");
-  const bool base_weight_grads = gate_up_proj.requires_grad() || down_proj.requires_grad();
+  const bool masters = options.gate_up_master.defined();
+  TORCH_CHECK(masters == options.down_master.defined(),
+              "expert master weights: give both gate_up_master and down_master, or neither");
+  if (masters) {
+    TORCH_CHECK(options.gate_up_master.sizes() == gate_up_proj.sizes() &&
+                    options.down_master.sizes() == down_proj.sizes() &&
+                    options.gate_up_master.scalar_type() == at::kFloat &&
+                    options.down_master.scalar_type() == at::kFloat,
+                "expert master weights must be float32 and shaped as the compute weights; got ",
+                options.gate_up_master.sizes(), " and ", options.down_master.sizes());
+  }
+  const at::Tensor& gate_up_in = masters ? options.gate_up_master : gate_up_proj;
+  const at::Tensor& down_in = masters ? options.down_master : down_proj;
+  const bool base_weight_grads = gate_up_in.requires_grad() || down_in.requires_grad();
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; };
-  return ExpertFfnFunction::apply(x.contiguous(), gate_up_proj, down_proj, opt(lora.gate_up_a),
+  // The compute weights travel as data, not as differentiable inputs.
+  return ExpertFfnFunction::apply(x.contiguous(), gate_up_in, down_in, opt(lora.gate_up_a),
                                   opt(lora.gate_up_b), opt(lora.down_a), opt(lora.down_b),
-                                  lora.scaling, &backend, counts, options.recompute,
-                                  base_weight_grads);
+                                  gate_up_proj.detach(), down_proj.detach(), lora.scaling, &backend,
+                                  counts, options.recompute, base_weight_grads);
 }
 
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,

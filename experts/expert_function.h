@@ -20,6 +20,12 @@ struct ExpertFfnOptions {
   // pre-activations in backward: less memory held across the step, for one
   // more gate/up GEMM (two thirds of the forward's FLOPs).
   bool recompute = false;
+  // Float32 master weights of narrower compute weights (weights.gate_up_proj
+  // and down_proj, e.g. bfloat16): the backend computes with the compute
+  // weights, and their gradients go, in float32, to these leaves instead, so
+  // that gradients accumulate and the optimizer updates in float32. Undefined:
+  // the gradients go to the compute weights themselves.
+  at::Tensor gate_up_master, down_master;
 };
 
 // y = backend(x, weights) with gradients to x, to the base weights when either

@@ -115,6 +115,7 @@ absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint:
     p.tensor.copy_(it->second);
     tensors.erase(it);  // each host copy goes once it is on the device
   }
+  model.SyncExpertCopies();
   return absl::OkStatus();
 }
 

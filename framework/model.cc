@@ -42,6 +42,9 @@ struct MoeModel::Layer {
   at::Tensor router;       // [E, H]
   at::Tensor correction_bias;  // [E] fp32 e_score_correction_bias (sigmoid routers)
   at::Tensor gate_up_proj, down_proj;  // packed experts, CPU
+  // With expert_master_weights: the copies in expert_dtype the experts compute
+  // with (gate_up_proj and down_proj are then the float32 masters).
+  at::Tensor gate_up_compute, down_compute;
   experts::ExpertLora expert_lora;     // their adapters (LoRA), CPU
   // The module prefix of the MLP or shared expert(s) ("mlp", "mlp.shared_expert", ...).
   std::string mlp_name;
@@ -100,7 +103,11 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
     return absl::InvalidArgumentError(
         "dense weights narrower than float32 are for a frozen base only (train.mode lora)");
   }
+  // Masters only where there is something narrower to master and to train.
+  model->runtime_.expert_master_weights =
+      rt.expert_master_weights && rt.expert_dtype != at::kFloat && !rt.lora.enabled();
   model->Build(seed, init);
+  model->SyncExpertCopies();
   if (rt.lora.enabled()) model->AddAdapters(seed);
   return model;
 }
@@ -134,6 +141,10 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
   const int64_t first_expert = placement_.first_expert(ep_rank);
   const int64_t num_local = placement_.num_local(ep_rank);
   const bool random = init == WeightInit::kRandom;
+  // With master weights the expert parameters are float32; the compute copies
+  // are made from them.
+  const at::ScalarType expert_param_dtype =
+      runtime_.expert_master_weights ? at::kFloat : runtime_.expert_dtype;
   // Under LoRA the base is frozen, and its matrices may stay narrow.
   const bool trained = !runtime_.lora.enabled();
   // `matrix`: a dense matrix stored in dense_dtype (else float32: norms, biases, routers).
@@ -144,11 +155,11 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
     if (expert) {
       // This rank's experts only: never the other ranks' rows, drawn or not.
       if (random) {
-        t = RandnRows(shape, first_expert, num_local, o.initializer_range, runtime_.expert_dtype,
+        t = RandnRows(shape, first_expert, num_local, o.initializer_range, expert_param_dtype,
                       gen);
       } else {
         shape[0] = num_local;
-        t = at::empty(shape, at::TensorOptions().dtype(runtime_.expert_dtype));
+        t = at::empty(shape, at::TensorOptions().dtype(expert_param_dtype));
       }
     } else if (random) {
       t = normal ? at::randn(shape, gen, at::kFloat) * o.initializer_range
@@ -229,6 +240,10 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       l.gate_up_proj =
           add(p + "mlp.experts.gate_up_proj", {o.num_experts, 2 * inter, h}, true, true, true);
       l.down_proj = add(p + "mlp.experts.down_proj", {o.num_experts, h, inter}, true, true, true);
+      if (runtime_.expert_master_weights) {
+        l.gate_up_compute = at::empty_like(l.gate_up_proj, runtime_.expert_dtype);
+        l.down_compute = at::empty_like(l.down_proj, runtime_.expert_dtype);
+      }
       if (o.shared_expert_intermediate_size > 0) {
         swiglu(p + "mlp.shared_expert", o.shared_expert_intermediate_size, l);
         l.shared_gate = linear(p + "mlp.shared_expert_gate", 1, h);
@@ -333,6 +348,23 @@ void MoeModel::AddAdapters(uint64_t seed) {
   }
 }
 
+void MoeModel::SyncExpertCopies() {
+  torch::NoGradGuard no_grad;
+  for (Layer& l : layers_) {
+    if (!l.gate_up_compute.defined()) continue;
+    l.gate_up_compute.copy_(l.gate_up_proj);
+    l.down_compute.copy_(l.down_proj);
+  }
+}
+
+std::vector<at::Tensor> MoeModel::expert_copies() const {
+  std::vector<at::Tensor> out;
+  for (const Layer& l : layers_) {
+    if (l.gate_up_compute.defined()) out.insert(out.end(), {l.gate_up_compute, l.down_compute});
+  }
+  return out;
+}
+
 void MoeModel::SetTraining(bool training) {
   for (const LinearSlot& slot : LinearSlots()) {
     slot.adapter->dropout = training ? runtime_.lora.dropout : 0.0;
@@ -392,9 +424,15 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU));
   // f. Expert compute on this rank's experts (with their adapters under LoRA).
-  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts,
-                                    {l.gate_up_proj, l.down_proj, l.expert_lora},
-                                    {.recompute = runtime_.recompute == Recompute::kExperts});
+  experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};
+  experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora};
+  if (l.gate_up_compute.defined()) {
+    ffn.gate_up_master = l.gate_up_proj;
+    ffn.down_master = l.down_proj;
+    weights.gate_up_proj = l.gate_up_compute;
+    weights.down_proj = l.down_compute;
+  }
+  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, ffn);
   // g. Combine: rows come home; routing weights are applied here.
   at::Tensor back = dispatcher_->Combine(y, *rows.route).to(at::kFloat).view({x.size(0), k, -1});
   at::Tensor out = (back * r.topk_weight.to(at::kCPU).unsqueeze(-1))

@@ -53,6 +53,12 @@ struct ModelRuntime {
   c10::Device dense_device = c10::kCPU;
   // Storage and compute dtype of the routed experts (float32 or bfloat16).
   at::ScalarType expert_dtype = at::kFloat;
+  // Trained experts narrower than float32 keep float32 master weights: the
+  // parameters are the masters (gradients and AdamW in float32), and a copy in
+  // expert_dtype, refreshed by SyncExpertCopies, is what the experts compute
+  // with. Without it narrow experts are trained in their own dtype, where
+  // small updates round away.
+  bool expert_master_weights = false;
   // Storage dtype of the dense matrices (projections, embedding, LM head):
   // float32 unless the base is frozen (LoRA), when it may stay bfloat16 (the
   // activations stay float32; see framework/lora.h). Norms, biases and
@@ -146,6 +152,12 @@ class MoeModel {
   // float32 and rounded once to W's dtype) and zeroes the adapters' B, so the
   // model computes the same function with the adapters folded in.
   void MergeAdapters();
+  // Rewrites the experts' compute copies from their float32 masters (with
+  // expert_master_weights; a no-op otherwise): after loading and after every
+  // optimizer step.
+  void SyncExpertCopies();
+  // The compute copies (empty without expert_master_weights), for memory counts.
+  std::vector<at::Tensor> expert_copies() const;
   // Training mode turns on the adapters' dropout (off by default: inference).
   void SetTraining(bool training);
   // The resolved LoRA targets (empty without LoRA).

@@ -208,6 +208,7 @@ StepStats Trainer::Step(int64_t step) {
   stats.aux_loss = sums[1].item<double>() / static_cast<double>(o.grad_accum_steps);
   stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
   s.optimizer->Step(stats.lr);
+  s.model.SyncExpertCopies();
   // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
   // rate towards balance, from the global batch's counts, which every rank
   // holds alike, so the biases stay equal on all ranks.

@@ -65,6 +65,7 @@ MemoryBreakdown ComputeMemoryBreakdown(const framework::MoeModel& model, int64_t
   for (const framework::Parameter& p : model.parameters()) add_weight(p.tensor);
   for (const framework::Parameter& p : model.adapters()) add_weight(p.tensor);
   for (const framework::Parameter& b : model.buffers()) add_weight(b.tensor);
+  for (const at::Tensor& t : model.expert_copies()) add_weight(t);
   // Each trained tensor (the adapters alone under LoRA) has a float32
   // gradient like it, and AdamW's m and v.
   for (const framework::Parameter& p : model.trainable_parameters()) {

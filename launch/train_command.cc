@@ -124,7 +124,11 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   }
   absl::StatusOr<framework::TokenDataset> data = LoadDataset(run);
   if (!data.ok()) return data.status();
-  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
+  // Trained bfloat16 experts keep float32 masters (the model ignores it
+  // otherwise: float32 or frozen experts).
+  RunConfig train_run = run;
+  train_run.runtime.expert_master_weights = true;
+  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(train_run, world, log));
   const parallel::ProcessGroups& groups = built.groups;
   std::unique_ptr<framework::MoeModel>& model = built.model;
   const framework::ModelOptions& m = run.model;
@@ -134,10 +138,11 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   const int64_t local = model->placement().num_local(groups.expert_parallel->rank());
   log << absl::StrFormat(
              "moefit: %s, %d layers, hidden %d, %d experts (top-%d), %d parameters "
-             "(%d active); dense on %s, experts on cpu (%s, %s); %d sequences of %d tokens",
+             "(%d active); dense on %s, experts on cpu (%s, %s%s); %d sequences of %d tokens",
              m.model_type, m.num_hidden_layers, m.hidden_size, m.num_experts, m.num_experts_per_tok,
              counts.total, counts.active, run.runtime.dense_device.str(),
              run.runtime.expert_backend, DtypeName(model->runtime().expert_dtype),
+             model->runtime().expert_master_weights ? " with float32 master weights" : "",
              data->num_sequences(), run.seq_len)
       << std::endl;
   if (run.runtime.lora.enabled()) {

@@ -186,13 +186,7 @@ INSTANTIATE_TEST_SUITE_P(Lora, Families,
                          ::testing::Values("qwen3_moe", "qwen2_moe", "deepseek_v3"));
 
 std::vector<StepStats> Train(MoeModel& model, const launch::RunConfig& run) {
-  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
-  EXPECT_TRUE(data.ok()) << data.status();
-  Trainer trainer(model, *data, run.train);
-  std::ostringstream log;
-  auto stats = trainer.Run(log);
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  return *stats;
+  return TrainOnCorpus(model, run);
 }
 
 TEST(Lora, TrainingMovesTheAdaptersOnlyAndLowersTheLoss) {

@@ -35,13 +35,7 @@ std::unique_ptr<MoeModel> Build(const launch::RunConfig& run, bool masters) {
 }
 
 std::vector<StepStats> Train(MoeModel& model, const launch::RunConfig& run) {
-  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
-  EXPECT_TRUE(data.ok()) << data.status();
-  Trainer trainer(model, *data, run.train);
-  std::ostringstream log;
-  auto stats = trainer.Run(log);
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  return *stats;
+  return TrainOnCorpus(model, run);
 }
 
 std::vector<at::Tensor> ExpertParams(const MoeModel& m) {

@@ -1,5 +1,6 @@
 // Helpers shared by the framework tests: the demo run config with overrides,
-// and the central-difference check of gradients.
+// training on the shipped corpus, and the central-difference check of
+// gradients.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,10 +9,15 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "framework/data.h"
+#include "framework/model.h"
+#include "framework/trainer.h"
 #include "launch/config.h"
+#include "launch/corpus.h"
 
 namespace moefit::framework {
 
@@ -23,6 +29,17 @@ inline launch::RunConfig DemoRunConfig(const std::vector<std::string>& sets) {
   EXPECT_TRUE(r.ok()) << r.status();
   r->runtime.expert_threads = 1;
   return *r;
+}
+
+// run.train's steps of `model` on the shipped corpus (sequences of run.seq_len).
+inline std::vector<StepStats> TrainOnCorpus(MoeModel& model, const launch::RunConfig& run) {
+  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+  EXPECT_TRUE(data.ok()) << data.status();
+  Trainer trainer(model, *data, run.train);
+  std::ostringstream log;
+  auto stats = trainer.Run(log);
+  EXPECT_TRUE(stats.ok()) << stats.status();
+  return *stats;
 }
 
 // The largest |analytic - central difference| over every element of `t`

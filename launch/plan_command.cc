@@ -176,10 +176,12 @@ NodeMemory NodeMemoryAt(const ModelOptions& o, const framework::ParameterCounts&
   const int64_t slots = m.experts_per_layer * c.num_moe_layers;  // expert copies on the node
   m.expert_weights = slots * ExpertBytes(o, in.expert_dtype);
   if (in.mode == PlanMode::kFull) {
-    // Gradients and AdamW states in the weights' dtype (fp8 never trains).
-    const int64_t plain = slots * c.per_expert * WeightBytes(in.expert_dtype);
-    m.expert_grads = plain;
-    m.expert_optimizer = kAdamStates * plain;
+    // As moefit trains them: gradients and AdamW states in float32, and
+    // bfloat16 experts beside their float32 master weights (fp8 never trains).
+    const int64_t fp32 = slots * c.per_expert * WeightBytes(PlanDtype::kFp32);
+    if (in.expert_dtype != PlanDtype::kFp32) m.expert_weights += fp32;
+    m.expert_grads = fp32;
+    m.expert_optimizer = kAdamStates * fp32;
   } else {
     m.lora = slots * LoraParamsPerExpert(o, in.lora_rank) * kLoraBytesPerParam;
   }
@@ -318,10 +320,12 @@ void PrintText(const std::string& path, const ModelOptions& o, const PlanInputs&
                          absl::StrCat("host RAM per node (the largest: ", p.ram.experts_per_layer,
                                       " experts of each MoE layer)"),
                          "GiB");
-  out << Line(absl::StrCat("routed expert weights (", dtype, ")"), p.ram.expert_weights);
+  const bool masters = full && in.expert_dtype != PlanDtype::kFp32;
+  out << Line(absl::StrCat("routed expert weights (", dtype, masters ? " + fp32 masters" : "", ")"),
+              p.ram.expert_weights);
   if (full) {
-    out << Line(absl::StrCat("  their gradients (", dtype, ")"), p.ram.expert_grads);
-    out << Line(absl::StrCat("  their AdamW m and v (", dtype, ")"), p.ram.expert_optimizer);
+    out << Line("  their gradients (fp32)", p.ram.expert_grads);
+    out << Line("  their AdamW m and v (fp32)", p.ram.expert_optimizer);
   } else {
     out << Line("LoRA adapters on the experts (fp32 weights, grads, m, v)", p.ram.lora);
   }
@@ -430,11 +434,12 @@ std::vector<std::string> PlanAssumptions() {
       "GiB = 2^30 bytes; --ram-gb and --gpu-gb are read in GiB",
       "balanced routing: each node computes tokens x top_k / N expert rows per MoE layer "
       "(skew adds to the busiest node)",
-      "full mode: AdamW states (m, v) in the weights' dtype; experts and their gradients in "
-      "--expert-dtype, the dense part in fp32 (16 bytes per parameter)",
+      "full mode: experts in --expert-dtype, bf16 ones with fp32 master weights (18 bytes per "
+      "expert parameter with fp32 gradients and AdamW m, v; 16 in fp32), the dense part in fp32 "
+      "(16 bytes per parameter)",
       "lora mode: base weights frozen (dense part in bf16, experts in --expert-dtype); rank-r "
-      "A and B on each routed expert's gate/up/down and on every attention projection, in "
-      "fp32 with gradients and AdamW m, v (16 bytes per adapter parameter)",
+      "A and B on each routed expert's fused gate|up and on its down, and on every attention "
+      "projection, in fp32 with gradients and AdamW m, v (16 bytes per adapter parameter)",
       "fp8 experts: 1 byte per weight + an fp32 scale per 128x128 block; they compute in bf16",
       "expert activations in the experts' compute dtype: per MoE layer each row keeps its "
       "input (hidden) and gate/up outputs (2 x moe_intermediate)",

@@ -40,9 +40,10 @@ TEST(Plan, FullModeByHand) {
   // ceil(10 / 4) = 3 experts of each of the 2 MoE layers on the largest node.
   EXPECT_EQ(p.ram.experts_per_layer, 3);
   const int64_t slots = 3 * 2;
-  EXPECT_EQ(p.ram.expert_weights, slots * 6144 * 2);
-  EXPECT_EQ(p.ram.expert_grads, slots * 6144 * 2);
-  EXPECT_EQ(p.ram.expert_optimizer, 2 * slots * 6144 * 2);
+  // bf16 experts train beside fp32 masters, with fp32 gradients and m, v.
+  EXPECT_EQ(p.ram.expert_weights, slots * 6144 * (2 + 4));
+  EXPECT_EQ(p.ram.expert_grads, slots * 6144 * 4);
+  EXPECT_EQ(p.ram.expert_optimizer, 2 * slots * 6144 * 4);
   EXPECT_EQ(p.ram.lora, 0);
   // 2 GPUs x 1 x 8 tokens per node, each picking 2 experts: 32 rows per MoE
   // layer, each keeping H + 2I = 128 bf16 elements.
@@ -50,7 +51,7 @@ TEST(Plan, FullModeByHand) {
   EXPECT_EQ(p.rows_per_node, 32);
   EXPECT_EQ(p.ram.activations, 2 * 32 * 128 * 2);
   EXPECT_EQ(p.ram.reserve, 32 * kGiB);
-  EXPECT_EQ(p.ram.total, p.ram.expert_weights * 4 + p.ram.activations + p.ram.reserve);
+  EXPECT_EQ(p.ram.total, slots * 6144 * 18 + p.ram.activations + p.ram.reserve);
 
   // Dense part in fp32 with gradients and AdamW m, v.
   EXPECT_EQ(p.gpu.dense_weights, p.params.dense * 4);

@@ -23,15 +23,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string DtypeName(at::ScalarType t) {
-  switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
-    default: return "float32";
-  }
-}
-
-
 // All ranks' strings, in rank order.
 std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const std::string& mine) {
   at::Tensor len = at::empty({comm.size()}, at::kLong);
@@ -60,6 +51,14 @@ void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
   if (o.num_nextn_predict_layers > 0) {
     load.skip_layers_from = o.num_hidden_layers;
     load.skip_layers_until = o.num_hidden_layers + o.num_nextn_predict_layers;
+  }
+}
+
+std::string DtypeName(at::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kHalf: return "float16";
+    default: return "float32";
   }
 }
 

@@ -28,6 +28,10 @@ namespace moefit::framework {
 // name.
 void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& load);
 
+// The name config.json gives a weight dtype: bfloat16, float16, or float32
+// (which every other dtype is written as).
+std::string DtypeName(at::ScalarType t);
+
 // The dtype a frozen base loaded from the HF directory `dir` keeps: that of
 // its weight matrices (the first shard's first 2-D floating ".weight" tensor
 // that is not a router),

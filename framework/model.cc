@@ -107,7 +107,8 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   model->runtime_.expert_master_weights =
       rt.expert_master_weights && rt.expert_dtype != at::kFloat && !rt.lora.enabled();
   model->Build(seed, init);
-  model->SyncExpertCopies();
+  // Loaded weights are copied once loaded (LoadPretrained).
+  if (init == WeightInit::kRandom) model->SyncExpertCopies();
   if (rt.lora.enabled()) model->AddAdapters(seed);
   return model;
 }

@@ -21,13 +21,7 @@
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
-namespace {
-
-const char* DtypeName(at::ScalarType t) {
-  return t == at::kBFloat16 ? "bfloat16" : t == at::kFloat ? "float32" : c10::toString(t);
-}
-
-}  // namespace
+using framework::DtypeName;
 
 absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
                                          std::shared_ptr<parallel::Communicator> world,

@@ -114,7 +114,6 @@ TEST_P(Families, AdapterGradientsAreTheChainRuleThroughTheMergedWeight) {
   auto merged = Build(full);
   {
     torch::NoGradGuard no_grad;
-    std::map<std::string, at::Tensor> folded;
     auto copy = Build(lora);
     for (size_t i = 0; i < copy->adapters().size(); ++i) {
       copy->adapters()[i].tensor.copy_(adapted->adapters()[i].tensor);

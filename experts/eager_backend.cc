@@ -31,8 +31,16 @@ at::Tensor LoraBackward(const at::Tensor& in, const at::Tensor& d_out, const at:
 }
 
 // The [n, 2I] gate/up pre-activations of rows `xe` of expert e.
+// Expert e's weight in the activations' dtype: FP8 times its block scales,
+// each 128 x 128 block dequantized as a whole, rounded once to `dtype`.
+at::Tensor Weight(const at::Tensor& w, const at::Tensor& scale, int64_t e, at::ScalarType dtype) {
+  if (w.scalar_type() != at::kFloat8_e4m3fn) return w[e];
+  const at::Tensor s = scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1);
+  return (w[e].to(at::kFloat) * s.narrow(0, 0, w.size(1)).narrow(1, 0, w.size(2))).to(dtype);
+}
+
 at::Tensor GateUp(const at::Tensor& xe, int64_t e, const ExpertWeights& w) {
-  at::Tensor gu = at::matmul(xe, w.gate_up_proj[e].t());
+  at::Tensor gu = at::matmul(xe, Weight(w.gate_up_proj, w.gate_up_scale, e, xe.scalar_type()).t());
   if (w.lora.has_gate_up()) {
     gu = AddLora(gu, LoraTerm(xe, w.lora.gate_up_a[e], w.lora.gate_up_b[e], w.lora.scaling));
   }
@@ -58,7 +66,7 @@ class EagerBackend final : public ExpertBackend {
       at::Tensor xe = x.narrow(0, row, n);
       at::Tensor gu = GateUp(xe, e, w);
       at::Tensor h = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-      at::Tensor ye = at::matmul(h, w.down_proj[e].t());
+      at::Tensor ye = at::matmul(h, Weight(w.down_proj, w.down_scale, e, h.scalar_type()).t());
       if (lora.has_down()) {
         ye = AddLora(ye, LoraTerm(h, lora.down_a[e], lora.down_b[e], lora.scaling));
       }
@@ -103,7 +111,7 @@ class EagerBackend final : public ExpertBackend {
       at::Tensor sig = at::sigmoid(gate);
       at::Tensor act = gate * sig;  // silu(gate)
       at::Tensor h = act * up;
-      at::Tensor dh = at::matmul(dy, w.down_proj[e]);
+      at::Tensor dh = at::matmul(dy, Weight(w.down_proj, w.down_scale, e, dy.scalar_type()));
       if (lora.has_down()) {
         dh = AddLora(dh, LoraBackward(h, dy, lora.down_a[e], lora.down_b[e], scale, g.down_a[e],
                                       g.down_b[e]));
@@ -113,7 +121,8 @@ class EagerBackend final : public ExpertBackend {
       at::Tensor d_up = dh * act;
       at::Tensor d_gu = at::cat({d_gate, d_up}, 1);
       if (options.base_weight_grads) g.gate_up_proj[e].add_(at::matmul(d_gu.t(), xe));
-      at::Tensor dx = at::matmul(d_gu, w.gate_up_proj[e]);
+      at::Tensor dx =
+          at::matmul(d_gu, Weight(w.gate_up_proj, w.gate_up_scale, e, d_gu.scalar_type()));
       if (lora.has_gate_up()) {
         dx = AddLora(dx, LoraBackward(xe, d_gu, lora.gate_up_a[e], lora.gate_up_b[e], scale,
                                       g.gate_up_a[e], g.gate_up_b[e]));

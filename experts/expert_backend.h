@@ -54,17 +54,25 @@ struct ExpertLora {
   bool any() const { return has_gate_up() || has_down(); }
 };
 
-// Packed weights of one layer's local experts.
+// Packed weights of one layer's local experts: float32, bfloat16, or (frozen
+// only) float8_e4m3fn with float32 scales per 128 x 128 block of each expert's
+// matrix, as DeepSeek-V3 checkpoints store them; FP8 weights are multiplied as
+// they are, block by block, never dequantized whole.
 struct ExpertWeights {
   at::Tensor gate_up_proj;  // [E, 2I, H]
   at::Tensor down_proj;     // [E, H, I]
   ExpertLora lora;          // none by default
+  at::Tensor gate_up_scale;  // FP8 only: [E, ceil(2I/128), ceil(H/128)]
+  at::Tensor down_scale;     // FP8 only: [E, ceil(H/128), ceil(I/128)]
 };
 
 struct ExpertGrads {
   at::Tensor x;             // [A, H]
-  at::Tensor gate_up_proj;  // [E, 2I, H]; undefined without base_weight_grads
-  at::Tensor down_proj;     // [E, H, I]; undefined without base_weight_grads
+  // [E, 2I, H] and [E, H, I]; undefined without base_weight_grads. A backend
+  // may return them in float32 for a bfloat16 base (the gradients of float32
+  // masters, summed in float32).
+  at::Tensor gate_up_proj;
+  at::Tensor down_proj;
   // LoRA gradients, in the adapters' dtype, defined where the adapter is;
   // zero for experts with no rows.
   at::Tensor gate_up_a;  // [E, r, H]
@@ -93,7 +101,8 @@ class ExpertBackend {
   virtual std::string_view name() const = 0;
 
   // x: [A, H] with A = sum(counts) in segments (see above), same dtype and
-  // device as the base weights (float32, bfloat16 or float64; CPU). Returns
+  // device as the base weights (float32, bfloat16 or float64; CPU; float32 or
+  // bfloat16 with FP8 weights, which are frozen). Returns
   // y [A, H]. `*activations` receives what Backward needs: the [A, 2I] gate/up
   // pre-activations, LoRA term included. With activations == nullptr nothing is
   // kept, and Backward recomputes them from x (expert recomputation: only the

@@ -33,8 +33,9 @@ class ComputeTimer {
 };
 
 // Inputs: x, the base weights, the four LoRA tensors (empty optionals where
-// there is no adapter: autograd takes no undefined tensor as an input), then
-// the non-tensor arguments.
+// there is no adapter: autograd takes no undefined tensor as an input), the
+// compute weights and their FP8 block scales (optionals too), then the
+// non-tensor arguments.
 class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
  public:
   using Lora = std::optional<at::Tensor>;
@@ -45,7 +46,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& gate_up_in,
                             const at::Tensor& down_in, const Lora& gate_up_a, const Lora& gate_up_b,
                             const Lora& down_a, const Lora& down_b, at::Tensor gate_up_proj,
-                            at::Tensor down_proj, double scaling, ExpertBackend* backend,
+                            at::Tensor down_proj, const Lora& gate_up_scale, const Lora& down_scale,
+                            double scaling, ExpertBackend* backend,
                             const std::vector<int64_t>& counts, bool recompute,
                             bool base_weight_grads) {
     ComputeTimer timer;
@@ -53,11 +55,13 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     ctx->saved_data["master_dtype"] = static_cast<int64_t>(gate_up_in.scalar_type());
     const ExpertWeights w{
         gate_up_proj, down_proj,
-        ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling}};
+        ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling},
+        get(gate_up_scale), get(down_scale)};
     at::Tensor activations;
     at::Tensor y = backend->Forward(x, counts, w, recompute ? nullptr : &activations);
     ctx->save_for_backward({x, gate_up_proj, down_proj, w.lora.gate_up_a, w.lora.gate_up_b,
-                            w.lora.down_a, w.lora.down_b, activations});
+                            w.lora.down_a, w.lora.down_b, activations, w.gate_up_scale,
+                            w.down_scale});
     ctx->saved_data["backend"] = reinterpret_cast<int64_t>(backend);
     ctx->saved_data["counts"] = counts;
     ctx->saved_data["scaling"] = scaling;
@@ -72,7 +76,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
     const ExpertWeights w{
         saved[1], saved[2],
-        ExpertLora{saved[3], saved[4], saved[5], saved[6], ctx->saved_data["scaling"].toDouble()}};
+        ExpertLora{saved[3], saved[4], saved[5], saved[6], ctx->saved_data["scaling"].toDouble()},
+        saved[8], saved[9]};
     BackwardOptions options;
     options.base_weight_grads = ctx->saved_data["base_weight_grads"].toBool();
     ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0], counts,
@@ -80,10 +85,22 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     const auto master =
         static_cast<at::ScalarType>(ctx->saved_data["master_dtype"].toInt());
     auto to_master = [&](const at::Tensor& t) { return t.defined() ? t.to(master) : t; };
-    return {g.x,          to_master(g.gate_up_proj), to_master(g.down_proj), g.gate_up_a,
-            g.gate_up_b,  g.down_a,                  g.down_b,               at::Tensor(),
-            at::Tensor(), at::Tensor(),              at::Tensor(),           at::Tensor(),
-            at::Tensor(), at::Tensor()};
+    return {g.x,
+            to_master(g.gate_up_proj),
+            to_master(g.down_proj),
+            g.gate_up_a,
+            g.gate_up_b,
+            g.down_a,
+            g.down_b,
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -130,9 +147,32 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   TORCH_CHECK(std::accumulate(counts.begin(), counts.end(), int64_t{0}) == x.size(0),
               "counts sum to ", std::accumulate(counts.begin(), counts.end(), int64_t{0}),
               " but x has ", x.size(0), " rows");
-  TORCH_CHECK(x.scalar_type() == gate_up_proj.scalar_type() &&
-                  x.scalar_type() == down_proj.scalar_type(),
-              "expert input and weights must share a dtype");
+  const bool fp8 = gate_up_proj.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(gate_up_proj.scalar_type() == down_proj.scalar_type(),
+              "expert weights gate_up_proj and down_proj must share a dtype; got ",
+              gate_up_proj.scalar_type(), " and ", down_proj.scalar_type());
+  TORCH_CHECK(fp8 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+                  : x.scalar_type() == gate_up_proj.scalar_type(),
+              "expert input ", x.scalar_type(), " does not suit weights of ",
+              gate_up_proj.scalar_type(),
+              " (the same dtype, or float32/bfloat16 with float8_e4m3fn weights)");
+  if (fp8) {
+    auto blocks = [](int64_t n) { return (n + 127) / 128; };
+    const at::Tensor& gs = weights.gate_up_scale;
+    const at::Tensor& ds = weights.down_scale;
+    TORCH_CHECK(gs.defined() && ds.defined() && gs.scalar_type() == at::kFloat &&
+                    ds.scalar_type() == at::kFloat && gs.is_contiguous() && ds.is_contiguous(),
+                "float8_e4m3fn expert weights need contiguous float32 block scales");
+    TORCH_CHECK(gs.sizes() == at::IntArrayRef({gate_up_proj.size(0), blocks(gate_up_proj.size(1)),
+                                               blocks(gate_up_proj.size(2))}) &&
+                    ds.sizes() == at::IntArrayRef({down_proj.size(0), blocks(down_proj.size(1)),
+                                                   blocks(down_proj.size(2))}),
+                "FP8 block scales must be one per 128 x 128 block: got ", gs.sizes(), " for ",
+                gate_up_proj.sizes(), " and ", ds.sizes(), " for ", down_proj.sizes());
+    TORCH_CHECK(!options.gate_up_master.defined() && !gate_up_proj.requires_grad() &&
+                    !down_proj.requires_grad(),
+                "float8_e4m3fn expert weights are frozen: they take no gradient");
+  }
   TORCH_CHECK(gate_up_proj.size(0) == down_proj.size(0) &&
                   gate_up_proj.size(1) == 2 * down_proj.size(2) &&
                   gate_up_proj.size(2) == down_proj.size(1) && x.size(1) == down_proj.size(1),
@@ -166,8 +206,9 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   // The compute weights travel as data, not as differentiable inputs.
   return ExpertFfnFunction::apply(x.contiguous(), gate_up_in, down_in, opt(lora.gate_up_a),
                                   opt(lora.gate_up_b), opt(lora.down_a), opt(lora.down_b),
-                                  gate_up_proj.detach(), down_proj.detach(), lora.scaling, &backend,
-                                  counts, options.recompute, base_weight_grads);
+                                  gate_up_proj.detach(), down_proj.detach(),
+                                  opt(weights.gate_up_scale), opt(weights.down_scale), lora.scaling,
+                                  &backend, counts, options.recompute, base_weight_grads);
 }
 
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,

@@ -5,6 +5,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 namespace moefit::experts {
 
@@ -63,6 +65,30 @@ ExpertLora MakeExpertLora(const ExpertProblemShape& s, const LoraSpec& spec, at:
     lora.down_b = normal({e, h, r}, r);
   }
   return lora;
+}
+
+namespace {
+
+// w [E, R, C] -> (fp8 [E, R, C], scales [E, ceil(R/128), ceil(C/128)]).
+std::pair<at::Tensor, at::Tensor> QuantizeBlocks(const at::Tensor& w) {
+  const int64_t e = w.size(0), r = w.size(1), c = w.size(2);
+  const int64_t br = (r + 127) / 128, bc = (c + 127) / 128;
+  at::Tensor padded = at::zeros({e, br * 128, bc * 128});
+  padded.narrow(1, 0, r).narrow(2, 0, c).copy_(w.to(at::kFloat));
+  at::Tensor blocks = padded.view({e, br, 128, bc, 128});
+  at::Tensor scales = blocks.abs().amax({2, 4}).div_(448.0).clamp_min_(1e-12);
+  at::Tensor q = (blocks / scales.view({e, br, 1, bc, 1})).view({e, br * 128, bc * 128});
+  return {q.narrow(1, 0, r).narrow(2, 0, c).to(at::kFloat8_e4m3fn).contiguous(),
+          scales.contiguous()};
+}
+
+}  // namespace
+
+ExpertWeights QuantizeFp8(const ExpertProblem& p) {
+  ExpertWeights w;
+  std::tie(w.gate_up_proj, w.gate_up_scale) = QuantizeBlocks(p.gate_up_proj);
+  std::tie(w.down_proj, w.down_scale) = QuantizeBlocks(p.down_proj);
+  return w;
 }
 
 double ExpertForwardFlops(const ExpertProblemShape& s) {

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "experts/kernels/gemm.h"
+
 namespace moefit::experts {
 namespace {
 
@@ -48,6 +50,65 @@ int64_t TileRows(int64_t num_rows, int num_threads) {
 
 // out = a · b written in place into `out` (a view into a larger buffer).
 void MmInto(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
+
+// The base GEMMs run on moefit's kernels (experts/kernels) for float32,
+// bfloat16 and FP8 weights; float64 (the gradient checks) takes LibTorch's mm.
+bool OnKernels(const at::Tensor& x) { return x.scalar_type() != at::kDouble; }
+
+kernels::ElemType KernelType(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat:
+      return kernels::ElemType::kF32;
+    case at::kBFloat16:
+      return kernels::ElemType::kBF16;
+    case at::kFloat8_e4m3fn:
+      return kernels::ElemType::kF8E4M3;
+    default:
+      TORCH_CHECK(false, "the grouped expert kernels take float32, bfloat16 or float8_e4m3fn; got ",
+                  t);
+  }
+}
+
+// A 2-D tensor (rows may be strided: a narrowed view) as A or B, as it is or
+// transposed.
+kernels::Operand MatrixOp(const at::Tensor& t, bool transposed = false) {
+  kernels::Operand op;
+  op.data = t.data_ptr();
+  op.type = KernelType(t.scalar_type());
+  op.row_stride = transposed ? t.stride(1) : t.stride(0);
+  op.col_stride = transposed ? t.stride(0) : t.stride(1);
+  return op;
+}
+
+kernels::Output OutputOp(const at::Tensor& t) {
+  TORCH_CHECK(t.stride(1) == 1, "kernel output rows must be contiguous");
+  return kernels::Output{t.data_ptr(), KernelType(t.scalar_type()), t.stride(0)};
+}
+
+// Expert e's packed weight w[e] ([rows, cols], with FP8 block scales
+// scale[e] when w is FP8) read as W, or as Wᵀ.
+kernels::Operand WeightOp(const at::Tensor& w, const at::Tensor& scale, int64_t e,
+                          bool transposed) {
+  kernels::Operand op = MatrixOp(w[e], transposed);
+  if (op.type == kernels::ElemType::kF8E4M3) {
+    const at::Tensor s = scale[e];
+    op.scales = s.data_ptr<float>();
+    op.scale_row_stride = transposed ? s.stride(1) : s.stride(0);
+    op.scale_col_stride = transposed ? s.stride(0) : s.stride(1);
+  }
+  return op;
+}
+
+// out = a · w[e]ᵀ (transposed) or a · w[e].
+void WeightMm(at::Tensor out, const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale,
+              int64_t e, bool transposed) {
+  if (!OnKernels(a)) {
+    MmInto(out, a, transposed ? w[e].t() : w[e]);
+    return;
+  }
+  kernels::Gemm(a.size(0), out.size(1), a.size(1), MatrixOp(a), WeightOp(w, scale, e, transposed),
+                OutputOp(out), /*accumulate=*/false);
+}
 
 // Torch's own intra-op threads are set to one while the tiles run: the
 // parallelism is ours, and nested MKL/oneDNN/OpenMP teams would oversubscribe.
@@ -144,17 +205,27 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
 // written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
 // without a gate_up adapter).
 at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t) {
-  MmInto(gu_t, x_t, w.gate_up_proj[e].t());
+  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true);
   if (!w.lora.has_gate_up()) return {};
   at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
   AddMm(gu_t, u, w.lora.gate_up_b[e].t());
   return u;
 }
 
-// out = Σ over segments of a_segᵀ · b_seg, in out's dtype (the base weights').
+// out = Σ over segments of a_segᵀ · b_seg, in out's dtype (float32 for a
+// bfloat16 base: the gradients of its float32 masters).
 void BaseGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
               const std::vector<Tile>& segments) {
   bool first = true;
+  if (OnKernels(a)) {
+    for (const Tile& seg : segments) {
+      kernels::Gemm(out.size(0), out.size(1), seg.size,
+                    MatrixOp(a.narrow(0, seg.begin, seg.size), true),
+                    MatrixOp(b.narrow(0, seg.begin, seg.size)), OutputOp(out), !first);
+      first = false;
+    }
+    return;
+  }
   for (const Tile& seg : segments) {
     at::Tensor a_seg = a.narrow(0, seg.begin, seg.size).t();
     at::Tensor b_seg = b.narrow(0, seg.begin, seg.size);
@@ -208,7 +279,7 @@ class GroupedBackend final : public ExpertBackend {
       GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMul",
                                      [&] { SiluMul<scalar_t>(gu_t, h_t); });
-      MmInto(y_t, h_t, w.down_proj[e].t());
+      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true);
       if (lora.has_down()) {
         AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
       }
@@ -241,8 +312,13 @@ class GroupedBackend final : public ExpertBackend {
     ExpertGrads g;
     g.x = at::empty_like(x);
     if (base) {
-      g.gate_up_proj = at::zeros_like(w.gate_up_proj);
-      g.down_proj = at::zeros_like(w.down_proj);
+      TORCH_CHECK(w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn,
+                  "FP8 expert weights are frozen: they have no weight gradients");
+      // A bfloat16 base gets float32 gradients (those of its float32 masters).
+      const at::ScalarType grad_dtype =
+          w.gate_up_proj.scalar_type() == at::kBFloat16 ? at::kFloat : w.gate_up_proj.scalar_type();
+      g.gate_up_proj = at::zeros_like(w.gate_up_proj, grad_dtype);
+      g.down_proj = at::zeros_like(w.down_proj, grad_dtype);
     }
     if (lora_gu) {
       const at::TensorOptions o = lora.gate_up_a.options();
@@ -280,7 +356,7 @@ class GroupedBackend final : public ExpertBackend {
         u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
-      MmInto(dh_t, dy_t, w.down_proj[e]);
+      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false);
       if (lora_down) {
         at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
         AddMm(dh_t, du, lora.down_a[e]);
@@ -294,7 +370,7 @@ class GroupedBackend final : public ExpertBackend {
         u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
-      MmInto(dx_t, dgu_t, w.gate_up_proj[e]);
+      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false);
       if (lora_gu) {
         at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
         AddMm(dx_t, du, lora.gate_up_a[e]);

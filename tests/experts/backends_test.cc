@@ -11,6 +11,7 @@
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
+#include "experts/kernels/isa.h"
 #include "experts/registry.h"
 
 namespace moefit::experts {
@@ -136,7 +137,9 @@ TEST_P(BackendsAgree, Bf16CloseToFp32Reference) {
   EXPECT_LT(RelErr(y16, y32), 3e-2) << shape.name;
   ExpertGrads g16 =
       fast->Backward(p16.grad_y, p16.x, p16.counts, {p16.gate_up_proj, p16.down_proj}, act16);
-  EXPECT_EQ(g16.gate_up_proj.scalar_type(), at::kBFloat16);
+  // The grouped backend sums a bfloat16 base's weight gradients in float32
+  // (for its float32 masters); the eager reference keeps the weights' dtype.
+  EXPECT_EQ(g16.gate_up_proj.scalar_type(), name == "grouped" ? at::kFloat : at::kBFloat16);
   EXPECT_TRUE(at::isfinite(g16.x).all().item<bool>());
 }
 
@@ -449,6 +452,101 @@ TEST_P(LoraGradcheck, MatchesFiniteDifferences) {
 }
 
 INSTANTIATE_TEST_SUITE_P(All, LoraGradcheck, ::testing::Values("eager", "grouped"));
+
+// The grouped backend on each instruction set this CPU can run (the wider
+// sets held down with LimitIsa, so that each runs here), against eager:
+// float32 forward and all gradients, and bfloat16 against the float32 result.
+TEST(GroupedKernels, EveryInstructionSetMatchesEager) {
+  using kernels::Isa;
+  const ExpertProblemShape shapes[] = {
+      {"odd", 70, 45, 37, 5, 2, RoutingPattern::kSkewed},
+      {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
+  };
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    for (const ExpertProblemShape& shape : shapes) {
+      const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name;
+      ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 77);
+      auto ref = Backend("eager");
+      auto fast = Backend("grouped");
+      at::Tensor act_ref, act_fast;
+      at::Tensor y_ref = ref->Forward(p.x, p.counts, Weights(p), &act_ref);
+      at::Tensor y_fast = fast->Forward(p.x, p.counts, Weights(p), &act_fast);
+      EXPECT_LT(RelErr(y_fast, y_ref), 1e-5) << what;
+      ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, Weights(p), act_ref);
+      ExpertGrads g_fast = fast->Backward(p.grad_y, p.x, p.counts, Weights(p), act_fast);
+      EXPECT_LT(RelErr(g_fast.x, g_ref.x), 1e-5) << what;
+      EXPECT_LT(RelErr(g_fast.gate_up_proj, g_ref.gate_up_proj), 1e-5) << what;
+      EXPECT_LT(RelErr(g_fast.down_proj, g_ref.down_proj), 1e-5) << what;
+
+      ExpertProblem p16 = MakeExpertProblem(shape, at::kBFloat16, 77);
+      at::Tensor act16;
+      at::Tensor y16 = fast->Forward(p16.x, p16.counts, Weights(p16), &act16);
+      EXPECT_LT(RelErr(y16, y_ref), 3e-2) << what;
+      ExpertGrads g16 = fast->Backward(p16.grad_y, p16.x, p16.counts, Weights(p16), act16);
+      EXPECT_LT(RelErr(g16.x, g_ref.x), 3e-2) << what;
+      EXPECT_LT(RelErr(g16.gate_up_proj, g_ref.gate_up_proj), 3e-2) << what;
+      EXPECT_LT(RelErr(g16.down_proj, g_ref.down_proj), 3e-2) << what;
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// Frozen FP8 weights with 128 x 128 block scales: forward and dX (with and
+// without LoRA adapters, whose gradients are checked too) against eager,
+// which dequantizes each expert's weights whole. Shapes span several scale
+// blocks and end inside one.
+TEST(GroupedKernels, Fp8FrozenWeightsMatchEager) {
+  const ExpertProblemShape shapes[] = {
+      {"blocks", 60, 200, 140, 5, 2, RoutingPattern::kSkewed},
+      {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
+      {"tiny", 1, 8, 4, 3, 1, RoutingPattern::kUniform},
+  };
+  const bool rounds = kernels::ActiveIsa() == kernels::Isa::kAvx512Bf16;
+  for (const ExpertProblemShape& shape : shapes) {
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (bool with_lora : {false, true}) {
+        const std::string what =
+            shape.name + (dtype == at::kFloat ? " f32" : " bf16") + (with_lora ? " lora" : "");
+        ExpertProblem p = MakeExpertProblem(shape, dtype, 5);
+        ExpertWeights w = QuantizeFp8(p);
+        if (with_lora) w.lora = MakeExpertLora(shape, {.rank = 3}, at::kFloat, 6);
+        auto ref = Backend("eager");
+        auto fast = Backend("grouped");
+        at::Tensor act_ref, act_fast;
+        at::Tensor y_ref = ref->Forward(p.x, p.counts, w, &act_ref);
+        at::Tensor y_fast = fast->Forward(p.x, p.counts, w, &act_fast);
+        // float32 activations on avx512_bf16 are rounded to bfloat16 for
+        // vdpbf16ps (and FP8 x scale too), while eager stays in float32.
+        const double tol = dtype == at::kBFloat16 ? 3e-2 : rounds ? 2e-2 : 1e-5;
+        EXPECT_LT(RelErr(y_fast, y_ref), tol) << what;
+        const BackwardOptions frozen{.base_weight_grads = false};
+        ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, w, act_ref, frozen);
+        ExpertGrads g_fast = fast->Backward(p.grad_y, p.x, p.counts, w, act_fast, frozen);
+        EXPECT_LT(RelErr(g_fast.x, g_ref.x), tol) << what;
+        EXPECT_FALSE(g_fast.gate_up_proj.defined());
+        if (with_lora) ExpectLoraGradsNear(g_fast, g_ref, tol, what);
+      }
+    }
+  }
+}
+
+// FP8 weights are frozen: ExpertFfn refuses to train them, and wants scales.
+TEST(ExpertFfnChecks, Fp8WeightsAreFrozenAndNeedScales) {
+  const ExpertProblemShape shape{"fp8", 4, 8, 4, 2, 1, RoutingPattern::kUniform};
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 1);
+  ExpertWeights w = QuantizeFp8(p);
+  auto backend = Backend("grouped");
+  at::Tensor y = ExpertFfn(*backend, p.x, p.counts, w);
+  EXPECT_EQ(y.sizes(), p.x.sizes());
+  ExpertWeights no_scales = w;
+  no_scales.down_scale = at::Tensor();
+  EXPECT_THROW(ExpertFfn(*backend, p.x, p.counts, no_scales), c10::Error);
+  ExpertWeights trained = w;
+  trained.gate_up_proj = w.gate_up_proj.clone().set_requires_grad(true);
+  EXPECT_THROW(ExpertFfn(*backend, p.x, p.counts, trained), c10::Error);
+}
 
 // ExpertFfn refuses LoRA tensors that do not fit the base weights.
 TEST(ExpertFfnChecks, RejectsMismatchedLora) {

@@ -1,0 +1,178 @@
+// The blocked GEMM driver and the choice of kernels; see gemm.h.
+//
+// Loop nest (GotoBLAS): for each block of nb columns, for each block of kb of
+// the reduction, B's kb x nb block is packed once; then for each block of mb
+// rows A's block is packed and the microkernel runs over every (column panel,
+// row panel) pair, a B panel staying in L1 while the A panels stream past it.
+// With nb covering the whole of an expert's output width, each weight element
+// is read and converted once per call, whatever the number of rows.
+#include "experts/kernels/gemm.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "experts/kernels/internal/packed_kernels.h"
+
+namespace moefit::experts::kernels {
+namespace {
+
+using internal::PackedKernels;
+
+const PackedKernels& Select(Isa isa, const Operand& a, const Operand& b) {
+  const bool narrow = a.type != ElemType::kF32 || b.type != ElemType::kF32;
+  switch (isa) {
+    case Isa::kAvx512Bf16:
+      return narrow ? internal::Avx512Bf16PairKernels() : internal::Avx512F32Kernels();
+    case Isa::kAvx512:
+      return internal::Avx512F32Kernels();
+    case Isa::kAvx2:
+      return internal::Avx2F32Kernels();
+    case Isa::kPortable:
+      break;
+  }
+  return internal::PortableF32Kernels();
+}
+
+// Per-thread scratch, grown to the largest call seen and kept: the expert
+// layer calls this thousands of times per step.
+struct Workspace {
+  std::vector<float> a, b, c;
+};
+
+float* Grow(std::vector<float>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
+uint16_t RoundToBf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+float FromBf16(uint16_t b) {
+  const uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+void CheckOperand(const Operand& op, const char* name) {
+  TORCH_CHECK(op.data != nullptr, "Gemm: operand ", name, " has no data");
+  TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.scales != nullptr, "Gemm: FP8 operand ", name,
+              " needs its block scales");
+}
+
+}  // namespace
+
+float ElementValue(const Operand& op, int64_t i, int64_t j) {
+  const int64_t idx = i * op.row_stride + j * op.col_stride;
+  switch (op.type) {
+    case ElemType::kF32:
+      return static_cast<const float*>(op.data)[idx];
+    case ElemType::kBF16:
+      return FromBf16(static_cast<const uint16_t*>(op.data)[idx]);
+    case ElemType::kF8E4M3: {
+      const uint8_t b = static_cast<const uint8_t*>(op.data)[idx];
+      const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+      float v;
+      if ((b & 0x7fu) == 0x7fu) {
+        v = std::numeric_limits<float>::quiet_NaN();
+      } else if (e == 0) {
+        v = static_cast<float>(m) / 512.0f;
+      } else {
+        v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, static_cast<int>(e) - 7);
+      }
+      if (b & 0x80u) v = -v;
+      return v * op.scales[(i / kScaleBlock) * op.scale_row_stride +
+                           (j / kScaleBlock) * op.scale_col_stride];
+    }
+  }
+  return 0;
+}
+
+void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
+          bool accumulate) {
+  Gemm(ActiveIsa(), m, n, k_size, a, b, c, accumulate);
+}
+
+void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+          const Output& c, bool accumulate) {
+  TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "Gemm: ", IsaName(isa),
+              " kernels cannot run on this CPU (", CpuFlags(), ")");
+  TORCH_CHECK(m >= 0 && n >= 0 && k_size >= 0, "Gemm: negative size");
+  TORCH_CHECK(c.type == ElemType::kF32 || c.type == ElemType::kBF16,
+              "Gemm: the output is float32 or bfloat16");
+  if (m == 0 || n == 0) return;
+  TORCH_CHECK(c.data != nullptr, "Gemm: output has no data");
+  if (k_size == 0) {
+    if (accumulate) return;
+    for (int64_t i = 0; i < m; ++i) {
+      if (c.type == ElemType::kF32) {
+        std::fill_n(static_cast<float*>(c.data) + i * c.row_stride, n, 0.0f);
+      } else {
+        std::fill_n(static_cast<uint16_t*>(c.data) + i * c.row_stride, n, uint16_t{0});
+      }
+    }
+    return;
+  }
+  CheckOperand(a, "A");
+  CheckOperand(b, "B");
+  const PackedKernels& kern = Select(isa, a, b);
+  thread_local Workspace ws;
+  const int64_t nb_max = std::min(kern.nb, n);
+  const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
+  const int64_t mb_max = std::min(kern.mb, m);
+  // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
+  auto k_slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
+  const int64_t a_panels = (mb_max + kern.mr - 1) / kern.mr;
+  const int64_t b_panels = (nb_max + kern.nr - 1) / kern.nr;
+  float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * k_slots(kb_max)));
+  float* bp = Grow(ws.b, static_cast<size_t>(b_panels * kern.nr * k_slots(kb_max)));
+  // float32 output: the microkernel accumulates into it directly; bfloat16:
+  // into a float32 block that is rounded once, after the whole reduction.
+  const bool direct = c.type == ElemType::kF32;
+  float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
+
+  for (int64_t n0 = 0; n0 < n; n0 += kern.nb) {
+    const int64_t nb = std::min(kern.nb, n - n0);
+    float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
+    const int64_t ldc = direct ? c.row_stride : nb;
+    for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+      const int64_t kb = std::min(kern.kb, k_size - k0);
+      const int64_t slots = k_slots(kb);
+      kern.pack_b(b, k0, kb, n0, nb, bp);
+      const bool acc = k0 > 0 || (direct && accumulate);
+      for (int64_t m0 = 0; m0 < m; m0 += kern.mb) {
+        const int64_t mb = std::min(kern.mb, m - m0);
+        kern.pack_a(a, m0, mb, k0, kb, ap);
+        for (int64_t j = 0; j < nb; j += kern.nr) {
+          const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
+          const float* b_panel = bp + (j / kern.nr) * kern.nr * slots;
+          for (int64_t i = 0; i < mb; i += kern.mr) {
+            const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mb - i));
+            kern.micro(kb, ap + (i / kern.mr) * kern.mr * slots, b_panel, cblk + (m0 + i) * ldc + j,
+                       ldc, rows, cols, acc);
+          }
+        }
+      }
+    }
+    if (!direct) {
+      for (int64_t i = 0; i < m; ++i) {
+        uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
+        const float* src = cbuf + i * ldc;
+        for (int64_t j = 0; j < nb; ++j) {
+          out[j] = RoundToBf16(accumulate ? FromBf16(out[j]) + src[j] : src[j]);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace moefit::experts::kernels

@@ -1,0 +1,74 @@
+// moefit's own GEMM for the expert layers: float32 accumulation over operands
+// stored as float32, bfloat16 or FP8 e4m3 with block scales, converted block
+// by block as they are packed, never as a whole tensor.
+//
+// Why not LibTorch's mm: on CPUs without AVX-512 BF16 the wheel's bfloat16
+// GEMM has no fast kernel (about 50x slower than its float32 one), it has no
+// FP8 GEMM at all, and the expert layer calls it thousands of times per step
+// on small per-expert blocks. Here:
+//   * The operands are strided views (any layout, transposed or not, in the
+//     dtype they are stored in), so the expert layer multiplies its packed
+//     weights [E, 2I, H] / [E, H, I] in both orientations without copies.
+//   * Blocking is GotoBLAS-style: a KB x NB block of B (the weight, in the
+//     expert layer) is packed once into the microkernel's layout -- converted
+//     to float32, or to bfloat16 pairs for vdpbf16ps -- and reused for every
+//     row of A (every token routed to that expert): weight-stationary.
+//   * One call runs on the calling thread. The expert layer parallelises over
+//     (expert, row block) itself, so that skewed routing keeps every core busy.
+//
+// Numerics: products accumulate in float32. On avx512_bf16, when B is
+// bfloat16 or FP8, A is rounded to bfloat16 (round to nearest even) and FP8 x
+// scale is rounded to bfloat16 as it is packed; everywhere else every input
+// is converted exactly to float32. The summation order depends on the
+// instruction set, not on the thread count or on the other rows.
+#pragma once
+
+#include <cstdint>
+
+#include "experts/kernels/isa.h"
+
+namespace moefit::experts::kernels {
+
+enum class ElemType : uint8_t {
+  kF32,     // float
+  kBF16,    // bfloat16, as uint16_t bits
+  kF8E4M3,  // float8_e4m3fn, as uint8_t bits (no infinities; 0x7f/0xff are NaN)
+};
+
+// Read-only 2-D operand: element (i, j) is data[i * row_stride + j * col_stride]
+// (in elements of `type`). FP8 operands carry float32 block scales: element
+// (i, j) stands for fp8 * scales[(i / 128) * scale_row_stride + (j / 128) *
+// scale_col_stride], DeepSeek-V3's 128x128 weight blocks.
+struct Operand {
+  const void* data = nullptr;
+  ElemType type = ElemType::kF32;
+  int64_t row_stride = 0;
+  int64_t col_stride = 1;
+  const float* scales = nullptr;
+  int64_t scale_row_stride = 0;
+  int64_t scale_col_stride = 0;
+};
+
+inline constexpr int64_t kScaleBlock = 128;
+
+// Row-major output: element (i, j) at data[i * row_stride + j]; float32 or
+// bfloat16 (rounded once, after the whole sum).
+struct Output {
+  void* data = nullptr;
+  ElemType type = ElemType::kF32;
+  int64_t row_stride = 0;
+};
+
+// C[i, j] = (accumulate ? C[i, j] : 0) + sum_k A[i, k] * B[k, j] for i < m,
+// j < n, k < k_size, on the calling thread, with ActiveIsa()'s kernels (or
+// `isa`'s, which must not be wider than DetectIsa()). k_size may be 0 (C
+// becomes 0, or stays). C must not overlap A or B.
+void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
+          bool accumulate);
+void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+          const Output& c, bool accumulate);
+
+// The float32 value of one element (the conversions the packing uses).
+float ElementValue(const Operand& op, int64_t i, int64_t j);
+
+}  // namespace moefit::experts::kernels

@@ -1,0 +1,168 @@
+// Element conversions and the generic (scalar) packing, shared by every
+// instruction set's kernels. Included only by the per-set kernel files, each
+// compiled with its own target flags: everything here has internal linkage
+// (anonymous namespace) so each file gets its own copy, built for its set.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "experts/kernels/gemm.h"
+
+namespace moefit::experts::kernels::internal {
+namespace {
+
+inline int64_t MinI(int64_t a, int64_t b) { return a < b ? a : b; }
+
+inline float BitsToF32(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint32_t F32ToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+}
+
+inline float Bf16ToF32(uint16_t b) { return BitsToF32(static_cast<uint32_t>(b) << 16); }
+
+// Round to nearest even; NaN stays a (quiet) NaN.
+inline uint16_t F32ToBf16(float f) {
+  const uint32_t u = F32ToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
+// is subnormal (m / 8 * 2^-6). Exact. 0x7f / 0xff (NaN) read as NaN.
+inline float F8ToF32(uint8_t b) {
+  const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
+  float v;
+  if ((b & 0x7fu) == 0x7fu) {
+    v = BitsToF32(0x7fc00000u);
+  } else if (e == 0) {
+    v = static_cast<float>(m) * (1.0f / 512.0f);
+  } else {
+    v = BitsToF32(((e + 120u) << 23) | (m << 20));
+  }
+  return (b & 0x80u) ? -v : v;
+}
+
+template <ElemType T>
+inline float LoadAs(const void* data, int64_t idx) {
+  if constexpr (T == ElemType::kF32) {
+    return static_cast<const float*>(data)[idx];
+  } else if constexpr (T == ElemType::kBF16) {
+    return Bf16ToF32(static_cast<const uint16_t*>(data)[idx]);
+  } else {
+    return F8ToF32(static_cast<const uint8_t*>(data)[idx]);
+  }
+}
+
+template <ElemType T>
+inline float Scale(const Operand& op, int64_t i, int64_t j) {
+  if constexpr (T == ElemType::kF8E4M3) {
+    return op
+        .scales[(i / kScaleBlock) * op.scale_row_stride + (j / kScaleBlock) * op.scale_col_stride];
+  } else {
+    return 1.0f;
+  }
+}
+
+template <ElemType T>
+inline float ValueAs(const Operand& op, int64_t i, int64_t j) {
+  const float v = LoadAs<T>(op.data, i * op.row_stride + j * op.col_stride);
+  if constexpr (T == ElemType::kF8E4M3) return v * Scale<T>(op, i, j);
+  return v;
+}
+
+// Calls fn.template operator()<T>() for the operand's element type.
+template <typename Fn>
+inline void DispatchType(ElemType t, const Fn& fn) {
+  switch (t) {
+    case ElemType::kF32:
+      fn.template operator()<ElemType::kF32>();
+      break;
+    case ElemType::kBF16:
+      fn.template operator()<ElemType::kBF16>();
+      break;
+    case ElemType::kF8E4M3:
+      fn.template operator()<ElemType::kF8E4M3>();
+      break;
+  }
+}
+
+// Generic A packing: rows [m0, m0 + m_size) x k [k0, k0 + k_size) into panels
+// of kMr rows (see packed_kernels.h), any layout and element type.
+template <int kMr, bool kPairs>
+void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t k_size,
+                  void* out) {
+  const int64_t panels = (m_size + kMr - 1) / kMr;
+  const int64_t kp = (k_size + 1) / 2;
+  DispatchType(a.type, [&]<ElemType T>() {
+    for (int64_t p = 0; p < panels; ++p) {
+      for (int r = 0; r < kMr; ++r) {
+        const int64_t row = p * kMr + r;
+        if constexpr (kPairs) {
+          uint16_t* o = static_cast<uint16_t*>(out) + p * kp * kMr * 2 + r * 2;
+          for (int64_t k = 0; k < 2 * kp; ++k) {
+            const bool inside = row < m_size && k < k_size;
+            o[(k / 2) * kMr * 2 + (k & 1)] =
+                inside ? F32ToBf16(ValueAs<T>(a, m0 + row, k0 + k)) : uint16_t{0};
+          }
+        } else {
+          float* o = static_cast<float*>(out) + p * k_size * kMr + r;
+          for (int64_t k = 0; k < k_size; ++k) {
+            o[k * kMr] = row < m_size ? ValueAs<T>(a, m0 + row, k0 + k) : 0.0f;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Generic B packing: k [k0, k0 + k_size) x columns [n0, n0 + n_size) into
+// panels of kNr columns.
+template <int kNr, bool kPairs>
+void PackBGeneric(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size,
+                  void* out) {
+  const int64_t panels = (n_size + kNr - 1) / kNr;
+  const int64_t kp = (k_size + 1) / 2;
+  DispatchType(b.type, [&]<ElemType T>() {
+    for (int64_t p = 0; p < panels; ++p) {
+      for (int j = 0; j < kNr; ++j) {
+        const int64_t col = p * kNr + j;
+        if constexpr (kPairs) {
+          uint16_t* o = static_cast<uint16_t*>(out) + p * kp * kNr * 2 + j * 2;
+          for (int64_t k = 0; k < 2 * kp; ++k) {
+            const bool inside = col < n_size && k < k_size;
+            o[(k / 2) * kNr * 2 + (k & 1)] =
+                inside ? F32ToBf16(ValueAs<T>(b, k0 + k, n0 + col)) : uint16_t{0};
+          }
+        } else {
+          float* o = static_cast<float*>(out) + p * k_size * kNr + j;
+          for (int64_t k = 0; k < k_size; ++k) {
+            o[k * kNr] = col < n_size ? ValueAs<T>(b, k0 + k, n0 + col) : 0.0f;
+          }
+        }
+      }
+    }
+  });
+}
+
+// Writes a finished kMr x kNr float32 tile (row stride kNr) into C's first
+// rows x cols, adding to C when accumulating.
+template <int kNr>
+inline void StoreTile(const float* tile, float* c, int64_t ldc, int rows, int cols,
+                      bool accumulate) {
+  for (int r = 0; r < rows; ++r) {
+    for (int j = 0; j < cols; ++j) {
+      c[r * ldc + j] = accumulate ? c[r * ldc + j] + tile[r * kNr + j] : tile[r * kNr + j];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace moefit::experts::kernels::internal

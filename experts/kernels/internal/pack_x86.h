@@ -1,0 +1,183 @@
+// Vectorised operand loads and B packing for the x86 kernels. Included by the
+// kernel file of each instruction set after defining MOEFIT_PACK_WIDTH (8 for
+// AVX2, 16 for AVX-512); like pack_common.h, everything has internal linkage.
+//
+// B is the weight in the expert layer and is packed once per call for all
+// rows, so its packing is the floor for small row blocks: it must run near
+// memory speed. Two layouts matter:
+//   n-contiguous (col_stride 1: W read as W, the dX GEMMs; x in dW): each
+//     panel row is VL-wide vector loads, converted, stored;
+//   k-contiguous (row_stride 1: W read as Wᵀ, the forward GEMMs): VL columns
+//     x VL k-values are loaded, converted and transposed in registers.
+// Anything else (tails, other strides) takes the generic path.
+#pragma once
+
+#include <immintrin.h>
+
+#include "experts/kernels/internal/pack_common.h"
+
+#ifndef MOEFIT_PACK_WIDTH
+#error "define MOEFIT_PACK_WIDTH before including pack_x86.h"
+#endif
+
+namespace moefit::experts::kernels::internal {
+namespace {
+
+#if MOEFIT_PACK_WIDTH == 8
+using VecF = __m256;
+constexpr int kVl = 8;
+
+inline VecF MulS(VecF v, float s) { return _mm256_mul_ps(v, _mm256_set1_ps(s)); }
+inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+
+// kVl elements of type T starting at element `idx` of `data`, as float32.
+template <ElemType T>
+inline VecF LoadF(const void* data, int64_t idx) {
+  if constexpr (T == ElemType::kF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(data) + idx);
+  } else if constexpr (T == ElemType::kBF16) {
+    const __m128i h =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + idx));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else {
+    // e4m3 -> the binary16 with the same bits shifted into place (exact,
+    // subnormals included), then to float32 and times 2^8 for the bias.
+    const __m128i b =
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx));
+    const __m128i w = _mm_cvtepu8_epi16(b);
+    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(mag, 7));
+    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
+    const __m256 nan_mask =
+        _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
+    return _mm256_blendv_ps(f, _mm256_set1_ps(BitsToF32(0x7fc00000u)), nan_mask);
+  }
+}
+
+// r[i] holds row i (kVl values); afterwards r[j] holds column j.
+inline void Transpose(VecF r[kVl]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 2; ++g) {
+    u[4 * g + 0] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 1] = _mm256_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * g + 2] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 3] = _mm256_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);
+    r[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31);
+  }
+}
+
+#else
+using VecF = __m512;
+constexpr int kVl = 16;
+
+inline VecF MulS(VecF v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
+inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+
+template <ElemType T>
+inline VecF LoadF(const void* data, int64_t idx) {
+  if constexpr (T == ElemType::kF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(data) + idx);
+  } else if constexpr (T == ElemType::kBF16) {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + idx));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    const __m128i b =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx));
+    const __m256i w = _mm256_cvtepu8_epi16(b);
+    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
+    const __m256i h =
+        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                        _mm256_slli_epi16(mag, 7));
+    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
+    return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(BitsToF32(0x7fc00000u)));
+  }
+}
+
+inline void Transpose(VecF r[kVl]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], _MM_SHUFFLE(3, 2, 3, 2));
+    r[j] = _mm512_shuffle_f32x4(v0, w0, _MM_SHUFFLE(2, 0, 2, 0));
+    r[4 + j] = _mm512_shuffle_f32x4(v0, w0, _MM_SHUFFLE(3, 1, 3, 1));
+    r[8 + j] = _mm512_shuffle_f32x4(v1, w1, _MM_SHUFFLE(2, 0, 2, 0));
+    r[12 + j] = _mm512_shuffle_f32x4(v1, w1, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+#endif
+
+// Float32 B panels of kNr columns (see packed_kernels.h), vectorised for the
+// two layouts above.
+template <int kNr>
+void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size, void* out) {
+  static_assert(kNr % kVl == 0);
+  const int64_t panels = (n_size + kNr - 1) / kNr;
+  DispatchType(b.type, [&]<ElemType T>() {
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t col0 = n0 + p * kNr;
+      const int64_t cols = MinI(kNr, n_size - p * kNr);
+      float* o = static_cast<float*>(out) + p * k_size * kNr;
+      if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1)) {
+        PackBGeneric<kNr, false>(b, k0, k_size, col0, cols, o);
+        continue;
+      }
+      // A panel lies inside one 128-column scale block (128 % kNr == 0).
+      if (b.col_stride == 1) {
+        for (int64_t k = 0; k < k_size; ++k) {
+          const int64_t base = (k0 + k) * b.row_stride + col0;
+          const float s = Scale<T>(b, k0 + k, col0);
+          for (int v = 0; v < kNr; v += kVl) {
+            VecF x = LoadF<T>(b.data, base + v);
+            if constexpr (T == ElemType::kF8E4M3) x = MulS(x, s);
+            StoreF(o + k * kNr + v, x);
+          }
+        }
+        continue;
+      }
+      // k-contiguous: transpose kVl x kVl blocks. Chunks of kVl k-values
+      // start at multiples of kVl from k0 (a multiple of the block size kb),
+      // so each lies in one 128-row scale block.
+      int64_t k = 0;
+      for (; k + kVl <= k_size; k += kVl) {
+        for (int v = 0; v < kNr; v += kVl) {
+          VecF r[kVl];
+          for (int j = 0; j < kVl; ++j) {
+            r[j] = LoadF<T>(b.data, (col0 + v + j) * b.col_stride + k0 + k);
+          }
+          Transpose(r);
+          const float s = Scale<T>(b, k0 + k, col0 + v);
+          for (int t = 0; t < kVl; ++t) {
+            if constexpr (T == ElemType::kF8E4M3) r[t] = MulS(r[t], s);
+            StoreF(o + (k + t) * kNr + v, r[t]);
+          }
+        }
+      }
+      if (k < k_size) PackBGeneric<kNr, false>(b, k0 + k, k_size - k, col0, kNr, o + k * kNr);
+    }
+  });
+}
+
+}  // namespace
+}  // namespace moefit::experts::kernels::internal

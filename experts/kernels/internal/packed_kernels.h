@@ -1,0 +1,47 @@
+// The pieces each instruction set provides to the blocked GEMM driver
+// (gemm.cc): packing of A and B blocks into the microkernel's panels, and the
+// microkernel itself.
+//
+// Panels. A block of A (rows m0.., k0..) is cut into panels of mr rows and B
+// (k0.., columns n0..) into panels of nr columns, each stored k-major so the
+// microkernel streams through both with unit stride:
+//   float32 mode:  A panel [kb][mr] floats,        B panel [kb][nr] floats
+//   pairs mode:    A panel [kp][mr] bf16 pairs,    B panel [kp][nr] bf16 pairs
+// with kp = ceil(kb / 2), a pair being (k even, k odd) in one 32-bit word, as
+// vdpbf16ps reads them. Rows of A beyond the block and columns of B beyond it
+// are zero, so the microkernel always runs full panels and only its stores
+// are partial.
+//
+// Every file that implements an instruction set is compiled with that set's
+// target flags and includes internal/pack_common.h, whose functions have
+// internal linkage: no code built for a wider set can be picked by the linker
+// for a caller on a narrower CPU.
+#pragma once
+
+#include <cstdint>
+
+#include "experts/kernels/gemm.h"
+
+namespace moefit::experts::kernels::internal {
+
+struct PackedKernels {
+  const char* name;
+  int mr, nr;          // microkernel tile
+  int64_t kb, nb, mb;  // block sizes (nb a multiple of nr, mb of mr, kb even)
+  bool pairs;          // bfloat16 pairs mode (vdpbf16ps), else float32
+  void (*pack_a)(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t k_size,
+                 void* out);
+  void (*pack_b)(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size,
+                 void* out);
+  // C[rows, cols] (float32, row stride ldc) = (accumulate ? C : 0) + A panel
+  // x B panel over k_size; rows <= mr, cols <= nr.
+  void (*micro)(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
+                int rows, int cols, bool accumulate);
+};
+
+const PackedKernels& PortableF32Kernels();
+const PackedKernels& Avx2F32Kernels();
+const PackedKernels& Avx512F32Kernels();
+const PackedKernels& Avx512Bf16PairKernels();
+
+}  // namespace moefit::experts::kernels::internal

@@ -1,0 +1,48 @@
+// Which x86 vector instruction set the expert kernels use, chosen at run time.
+//
+// moefit is built for the baseline x86-64 target and runs on any x86-64 CPU;
+// the kernels for wider instruction sets are compiled separately (each file
+// with its own target flags) and chosen here by what the CPU and the operating
+// system support. Ordered from narrowest to widest: a process may be held to a
+// narrower set than the CPU has (MOEFIT_CPU_ISA, or LimitIsa in tests), never
+// a wider one.
+//
+//   portable     plain C++ (the compiler's baseline SSE2)
+//   avx2         AVX2 + FMA, 256-bit fp32 FMAs
+//   avx512       AVX-512 F/BW/VL, 512-bit fp32 FMAs
+//   avx512_bf16  AVX-512 BF16: bfloat16 weights multiplied with vdpbf16ps
+//                (two bfloat16 products summed into fp32 per lane), the
+//                activations rounded to bfloat16 for it
+//
+// AMX is not used: no kernel for it exists yet, and a CPU with AMX runs the
+// avx512_bf16 kernels.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace moefit::experts::kernels {
+
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// "portable", "avx2", "avx512", "avx512_bf16".
+std::string_view IsaName(Isa isa);
+
+// The widest set this CPU and OS support.
+Isa DetectIsa();
+
+// The set the kernels use: DetectIsa(), held narrower by the environment
+// variable MOEFIT_CPU_ISA (one of the names above) or by LimitIsa. A name
+// that is unknown, or wider than the CPU supports, throws (c10::Error) with
+// the supported names.
+Isa ActiveIsa();
+
+// Holds the kernels to at most `isa` (clamped to DetectIsa()) from now on, in
+// this process: for tests that run each narrower path on a wider CPU.
+void LimitIsa(Isa isa);
+
+// The CPU's vector flags relevant here, e.g. "avx2 fma avx512f avx512bw
+// avx512vl avx512_bf16 (no amx)", for logs and benchmark reports.
+std::string CpuFlags();
+
+}  // namespace moefit::experts::kernels

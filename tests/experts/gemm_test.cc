@@ -1,0 +1,227 @@
+// moefit's expert GEMM on every instruction set this CPU can run, against a
+// float64 reference over the exact float32 values of its operands: every
+// element type and layout the expert layer uses, odd shapes, accumulation,
+// both output types.
+#include "experts/kernels/gemm.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "experts/kernels/isa.h"
+
+namespace moefit::experts::kernels {
+namespace {
+
+constexpr Isa kAllIsas[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+
+// Storage for one operand: a [rows, cols] matrix stored row-major or
+// transposed, in `type`, with FP8 block scales.
+struct Stored {
+  at::Tensor data, scales;
+  Operand op;
+};
+
+at::ScalarType TorchType(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return at::kFloat;
+    case ElemType::kBF16:
+      return at::kBFloat16;
+    case ElemType::kF8E4M3:
+      return at::kFloat8_e4m3fn;
+  }
+  return at::kFloat;
+}
+
+// transposed: element (i, j) lives at [j, i] of a [cols, rows] tensor, as a
+// packed weight [N, K] is read as B = Wᵀ.
+Stored MakeOperand(int64_t rows, int64_t cols, ElemType type, bool transposed, uint64_t seed) {
+  at::manual_seed(seed);
+  Stored s;
+  at::Tensor values = transposed ? at::randn({cols, rows}) : at::randn({rows, cols});
+  if (type == ElemType::kF8E4M3) values = values * 100;  // use e4m3's range
+  s.data = values.to(TorchType(type)).contiguous();
+  const int64_t ld = s.data.size(1);
+  s.op.data = s.data.data_ptr();
+  s.op.type = type;
+  s.op.row_stride = transposed ? 1 : ld;
+  s.op.col_stride = transposed ? ld : 1;
+  if (type == ElemType::kF8E4M3) {
+    const int64_t br = (s.data.size(0) + kScaleBlock - 1) / kScaleBlock;
+    const int64_t bc = (s.data.size(1) + kScaleBlock - 1) / kScaleBlock;
+    s.scales = at::rand({br, bc}).add_(0.5).div_(100).contiguous();
+    s.op.scales = s.scales.data_ptr<float>();
+    s.op.scale_row_stride = transposed ? 1 : bc;
+    s.op.scale_col_stride = transposed ? bc : 1;
+  }
+  return s;
+}
+
+struct Case {
+  int64_t m, n, k;
+  ElemType a_type, b_type;
+  bool a_transposed, b_transposed;
+  ElemType out_type;
+  bool accumulate;
+};
+
+std::string Describe(Isa isa, const Case& c) {
+  auto t = [](ElemType e) {
+    return e == ElemType::kF32 ? "f32" : e == ElemType::kBF16 ? "bf16" : "f8";
+  };
+  return std::string(IsaName(isa)) + " m" + std::to_string(c.m) + " n" + std::to_string(c.n) +
+         " k" + std::to_string(c.k) + " A " + t(c.a_type) + (c.a_transposed ? "ᵀ" : "") + " B " +
+         t(c.b_type) + (c.b_transposed ? "ᵀ" : "") + " out " + t(c.out_type) +
+         (c.accumulate ? " +=" : "");
+}
+
+// Runs one case and checks every element of C against the float64 sum over
+// the operands' exact values, within a bound proportional to sum |a·b|:
+// float32 rounding, plus, where the kernels round operands to bfloat16
+// (avx512_bf16 with a narrow operand), two bfloat16 roundings per product.
+void Check(Isa isa, const Case& c, uint64_t seed) {
+  SCOPED_TRACE(Describe(isa, c));
+  Stored a = MakeOperand(c.m, c.k, c.a_type, c.a_transposed, seed);
+  Stored b = MakeOperand(c.k, c.n, c.b_type, c.b_transposed, seed + 1);
+  at::Tensor prior = at::randn({c.m, c.n}).to(TorchType(c.out_type));
+  at::Tensor out = prior.clone();
+  Gemm(isa, c.m, c.n, c.k, a.op, b.op, Output{out.data_ptr(), c.out_type, c.n}, c.accumulate);
+
+  const bool rounds_operands =
+      isa == Isa::kAvx512Bf16 && (c.a_type != ElemType::kF32 || c.b_type != ElemType::kF32);
+  const bool exact_bf16 = c.a_type == ElemType::kBF16 && c.b_type == ElemType::kBF16;
+  const double operand_rel = rounds_operands && !exact_bf16 ? 2.0 * std::ldexp(1.0, -8) : 0.0;
+  const double out_rel = c.out_type == ElemType::kBF16 ? std::ldexp(1.0, -8) : 0.0;
+  std::vector<double> av(c.m * c.k), bv(c.k * c.n);
+  for (int64_t i = 0; i < c.m; ++i)
+    for (int64_t k = 0; k < c.k; ++k) av[i * c.k + k] = ElementValue(a.op, i, k);
+  for (int64_t k = 0; k < c.k; ++k)
+    for (int64_t j = 0; j < c.n; ++j) bv[k * c.n + j] = ElementValue(b.op, k, j);
+  at::Tensor prior64 = prior.to(at::kDouble), out64 = out.to(at::kDouble);
+  const double* p = prior64.data_ptr<double>();
+  const double* o = out64.data_ptr<double>();
+  int64_t bad = 0;
+  for (int64_t i = 0; i < c.m; ++i) {
+    for (int64_t j = 0; j < c.n; ++j) {
+      double sum = c.accumulate ? p[i * c.n + j] : 0.0, mag = std::abs(sum);
+      for (int64_t k = 0; k < c.k; ++k) {
+        sum += av[i * c.k + k] * bv[k * c.n + j];
+        mag += std::abs(av[i * c.k + k] * bv[k * c.n + j]);
+      }
+      const double tol = mag * (4e-6 * std::sqrt(static_cast<double>(c.k) + 1) + operand_rel) +
+                         std::abs(sum) * out_rel + 1e-30;
+      if (!(std::abs(o[i * c.n + j] - sum) <= tol) && bad++ < 3) {
+        ADD_FAILURE() << "C[" << i << ", " << j << "] = " << o[i * c.n + j] << ", want " << sum
+                      << " (tolerance " << tol << ")";
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+class GemmOnIsa : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (static_cast<int>(GetParam()) > static_cast<int>(DetectIsa())) {
+      GTEST_SKIP() << IsaName(GetParam()) << " is not supported by this CPU (" << CpuFlags()
+                   << "); its kernels run on machines that have it";
+    }
+  }
+};
+
+// Every operand type and layout of the expert layer, at shapes that are not
+// multiples of any panel or block size.
+TEST_P(GemmOnIsa, MatchesFloat64ReferenceOnOddShapes) {
+  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3};
+  uint64_t seed = 1;
+  for (ElemType bt : types) {
+    for (ElemType at_ : {ElemType::kF32, ElemType::kBF16}) {
+      for (bool bt_t : {false, true}) {
+        for (bool at_t : {false, true}) {
+          Check(GetParam(), {13, 37, 141, at_, bt, at_t, bt_t, ElemType::kF32, false}, seed++);
+        }
+      }
+    }
+  }
+}
+
+TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
+  // Beyond one k block (kb up to 512), one m block (96) and several 128-row
+  // scale blocks; single rows and columns.
+  const Case cases[] = {
+      {1, 1, 1, ElemType::kF32, ElemType::kF32, false, true, ElemType::kF32, false},
+      {1, 300, 700, ElemType::kF32, ElemType::kBF16, false, true, ElemType::kF32, false},
+      {200, 5, 3, ElemType::kBF16, ElemType::kBF16, false, false, ElemType::kF32, false},
+      {97, 129, 1030, ElemType::kF32, ElemType::kF8E4M3, false, true, ElemType::kF32, true},
+      {130, 70, 257, ElemType::kBF16, ElemType::kF8E4M3, true, false, ElemType::kBF16, false},
+      {25, 33, 513, ElemType::kF32, ElemType::kF32, true, false, ElemType::kBF16, true},
+      {12, 32, 2, ElemType::kF32, ElemType::kF32, false, false, ElemType::kF32, true},
+  };
+  uint64_t seed = 100;
+  for (const Case& c : cases) Check(GetParam(), c, seed++);
+}
+
+TEST_P(GemmOnIsa, EmptyReductionZeroesOrKeeps) {
+  at::Tensor out = at::ones({3, 5});
+  Operand dummy{out.data_ptr(), ElemType::kF32, 5, 1};
+  Gemm(GetParam(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, true);
+  EXPECT_TRUE(at::equal(out, at::ones({3, 5})));
+  Gemm(GetParam(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, false);
+  EXPECT_TRUE(at::equal(out, at::zeros({3, 5})));
+}
+
+// The same products on every instruction set that computes them in float32
+// agree to float32 rounding: a narrower set is a twin of a wider one.
+TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {
+  Stored a = MakeOperand(50, 300, ElemType::kBF16, false, 7);
+  Stored b = MakeOperand(300, 90, ElemType::kBF16, true, 8);
+  at::Tensor ref = at::empty({50, 90});
+  Gemm(Isa::kPortable, 50, 90, 300, a.op, b.op, Output{ref.data_ptr(), ElemType::kF32, 90}, false);
+  for (Isa isa : kAllIsas) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    at::Tensor out = at::empty({50, 90});
+    Gemm(isa, 50, 90, 300, a.op, b.op, Output{out.data_ptr(), ElemType::kF32, 90}, false);
+    // bf16 x bf16 products are exact in float32, so even the pairs kernel
+    // differs from the others only in summation order.
+    EXPECT_LT((out - ref).abs().max().item<double>(), 1e-4 * ref.abs().max().item<double>())
+        << IsaName(isa);
+  }
+}
+
+TEST(Gemm, Fp8DecodingMatchesC10) {
+  const float one = 1.0f;
+  for (int v = 0; v < 256; ++v) {
+    const uint8_t byte = static_cast<uint8_t>(v);
+    Operand op{&byte, ElemType::kF8E4M3, 1, 1, &one, 0, 0};
+    const float want =
+        static_cast<float>(c10::Float8_e4m3fn(byte, c10::Float8_e4m3fn::from_bits()));
+    const float got = ElementValue(op, 0, 0);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got)) << v;
+    } else {
+      EXPECT_EQ(got, want) << v;
+    }
+  }
+}
+
+TEST(Isa, LimitHoldsTheKernelsNarrower) {
+  const Isa before = ActiveIsa();
+  LimitIsa(Isa::kPortable);
+  EXPECT_EQ(ActiveIsa(), Isa::kPortable);
+  LimitIsa(Isa::kAvx512Bf16);  // clamped to what the CPU has
+  EXPECT_EQ(ActiveIsa(), before);
+  EXPECT_FALSE(CpuFlags().empty());
+}
+
+INSTANTIATE_TEST_SUITE_P(All, GemmOnIsa, ::testing::ValuesIn(kAllIsas),
+                         [](const ::testing::TestParamInfo<Isa>& info) {
+                           return std::string(IsaName(info.param));
+                         });
+
+}  // namespace
+}  // namespace moefit::experts::kernels

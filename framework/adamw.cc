@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
+#include <cstring>
 
 namespace moefit::framework {
 namespace {
@@ -19,11 +20,56 @@ bool Fusable(const at::Tensor& p, const at::Tensor& g) {
          g.device().is_cpu() && g.scalar_type() == at::kFloat && g.is_contiguous();
 }
 
+// SplitMix64's finalizer over (seed, step, tensor key, element): 16 random
+// bits per element, independent of how the elements are split among threads.
+inline uint32_t RandomBits16(uint64_t seed, int64_t step, uint64_t tensor, int64_t i) {
+  uint64_t z = seed + static_cast<uint64_t>(step) * 0x9e3779b97f4a7c15ull +
+               tensor * 0xbf58476d1ce4e5b9ull + static_cast<uint64_t>(i) * 0x94d049bb133111ebull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  z ^= z >> 31;
+  return static_cast<uint32_t>(z >> 48);
+}
+
+// bfloat16 bits of w: to nearest even, or, with random bits r, stochastically
+// (adding r below the kept 16 bits and truncating rounds the magnitude up
+// with probability equal to the dropped fraction). NaN stays NaN.
+inline uint16_t RoundBf16(float w, bool stochastic, uint32_t r) {
+  uint32_t u;
+  std::memcpy(&u, &w, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if (stochastic) return static_cast<uint16_t>((u + r) >> 16);
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 }  // namespace
 
 FusedAdamW::FusedAdamW(std::vector<Group> groups, const AdamWHyper& hyper, bool fused)
     : groups_(std::move(groups)), hyper_(hyper), fused_(fused) {
   for (const Group& g : groups_) state_.emplace_back(g.params.size());
+}
+
+void FusedAdamW::AttachCopy(const at::Tensor& param, at::Tensor copy, uint64_t key,
+                            int64_t first_element) {
+  TORCH_CHECK(param.device().is_cpu() && param.scalar_type() == at::kFloat &&
+                  param.is_contiguous(),
+              "AttachCopy: the master must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(copy.device().is_cpu() && copy.scalar_type() == at::kBFloat16 &&
+                  copy.is_contiguous() && copy.sizes() == param.sizes(),
+              "AttachCopy: the copy must be a contiguous bfloat16 CPU tensor shaped ",
+              param.sizes());
+  for (size_t gi = 0; gi < groups_.size(); ++gi) {
+    for (size_t pi = 0; pi < groups_[gi].params.size(); ++pi) {
+      if (groups_[gi].params[pi].unsafeGetTensorImpl() == param.unsafeGetTensorImpl()) {
+        State& s = state_[gi][pi];
+        s.copy = std::move(copy);
+        s.key = key;
+        s.first_element = first_element;
+        return;
+      }
+    }
+  }
+  TORCH_CHECK(false, "AttachCopy: the tensor is not one of the optimizer's parameters");
 }
 
 void FusedAdamW::Step(double lr) {
@@ -51,6 +97,16 @@ void FusedAdamW::Step(double lr) {
         s.v.mul_(b2).addcmul_(g, g, 1 - b2);
         at::Tensor denom = (s.v.sqrt() / std::sqrt(bc2)).add_(hyper_.eps);
         p.addcdiv_(s.m, denom, -step_size);
+        if (s.copy.defined()) {
+          // One element at a time: the obviously-correct rounding.
+          const at::Tensor w = p.contiguous();
+          const float* wp = w.const_data_ptr<float>();
+          auto* cp = reinterpret_cast<uint16_t*>(s.copy.data_ptr<at::BFloat16>());
+          for (int64_t i = 0; i < w.numel(); ++i) {
+            cp[i] = RoundBf16(wp[i], hyper_.stochastic_rounding,
+                              RandomBits16(hyper_.seed, s.step, s.key, s.first_element + i));
+          }
+        }
         continue;
       }
       float* pp = p.data_ptr<float>();
@@ -64,6 +120,11 @@ void FusedAdamW::Step(double lr) {
       const float eps = static_cast<float>(hyper_.eps);
       const float neg_step = static_cast<float>(-step_size);
       const bool decayed = wd != 0;
+      auto* cp = s.copy.defined() ? reinterpret_cast<uint16_t*>(s.copy.data_ptr<at::BFloat16>())
+                                  : nullptr;
+      const bool stochastic = hyper_.stochastic_rounding;
+      const uint64_t seed = hyper_.seed, key = s.key;
+      const int64_t step = s.step, first = s.first_element;
       at::parallel_for(0, p.numel(), kGrain, [&](int64_t begin, int64_t end) {
         for (int64_t i = begin; i < end; ++i) {
           const float gi_ = gp[i];
@@ -74,6 +135,11 @@ void FusedAdamW::Step(double lr) {
           vp[i] = v;
           w += neg_step * m / (std::sqrt(v) * inv_sqrt_bc2 + eps);
           pp[i] = w;
+        }
+        if (cp == nullptr) return;
+        for (int64_t i = begin; i < end; ++i) {
+          cp[i] = RoundBf16(pp[i], stochastic,
+                            stochastic ? RandomBits16(seed, step, key, first + i) : 0u);
         }
       });
     }

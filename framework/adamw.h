@@ -25,6 +25,13 @@ struct AdamWHyper {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
+  // How attached bfloat16 copies (AttachCopy) are rounded: to nearest even,
+  // or stochastically -- up with probability equal to the fraction of a
+  // bfloat16 step below the float32 value, so that the copy is the master on
+  // average. The random bits are a hash of (seed, step, tensor, element):
+  // the same on any thread count, run after run.
+  bool stochastic_rounding = false;
+  uint64_t seed = 0;
 };
 
 class FusedAdamW {
@@ -45,10 +52,25 @@ class FusedAdamW {
   // instead of adding to zeroed buffers.
   void ZeroGrad();
 
+  // A bfloat16 tensor of `param`'s shape (contiguous, CPU) that Step writes in
+  // the same pass as the update: the updated float32 value, rounded (see
+  // AdamWHyper::stochastic_rounding). For bfloat16 compute copies of float32
+  // master weights: no second pass over the masters after the step.
+  // `param` must be one of the optimizer's float32 CPU parameters. `key` and
+  // `first_element` place its elements in a layout-independent numbering for
+  // stochastic rounding's random bits (e.g. a hash of the parameter's name
+  // and the offset of this rank's first expert in the whole tensor), so that
+  // any process count draws the same bits for the same global element.
+  void AttachCopy(const at::Tensor& param, at::Tensor copy, uint64_t key = 0,
+                  int64_t first_element = 0);
+
  private:
   struct State {
     at::Tensor m, v;
     int64_t step = 0;
+    at::Tensor copy;  // bfloat16, written by Step (AttachCopy)
+    uint64_t key = 0;            // stochastic rounding's numbering of the
+    int64_t first_element = 0;   // elements (AttachCopy)
   };
   std::vector<Group> groups_;
   std::vector<std::vector<State>> state_;

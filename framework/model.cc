@@ -358,6 +358,19 @@ void MoeModel::SyncExpertCopies() {
   }
 }
 
+std::vector<MoeModel::MasterCopy> MoeModel::expert_master_copies() const {
+  std::vector<MasterCopy> out;
+  const int64_t first = placement_.first_expert(runtime_.expert_group->rank());
+  for (const Layer& l : layers_) {
+    if (!l.gate_up_compute.defined()) continue;
+    const std::string p = absl::StrCat("model.layers.", l.idx, ".mlp.experts.");
+    out.push_back({p + "gate_up_proj", l.gate_up_proj, l.gate_up_compute,
+                   first * l.gate_up_proj[0].numel()});
+    out.push_back({p + "down_proj", l.down_proj, l.down_compute, first * l.down_proj[0].numel()});
+  }
+  return out;
+}
+
 std::vector<at::Tensor> MoeModel::expert_copies() const {
   std::vector<at::Tensor> out;
   for (const Layer& l : layers_) {

@@ -153,11 +153,22 @@ class MoeModel {
   // model computes the same function with the adapters folded in.
   void MergeAdapters();
   // Rewrites the experts' compute copies from their float32 masters (with
-  // expert_master_weights; a no-op otherwise): after loading and after every
-  // optimizer step.
+  // expert_master_weights; a no-op otherwise): after creation and loading;
+  // during training the optimizer writes them (expert_master_copies).
   void SyncExpertCopies();
   // The compute copies (empty without expert_master_weights), for memory counts.
   std::vector<at::Tensor> expert_copies() const;
+
+  // Each float32 master with its compute copy, the master's name, and the
+  // offset of this rank's first element in the whole [num_experts, ...]
+  // tensor (empty without expert_master_weights): what the optimizer
+  // attaches to write the copies in its own pass.
+  struct MasterCopy {
+    std::string name;
+    at::Tensor master, copy;
+    int64_t first_element = 0;
+  };
+  std::vector<MasterCopy> expert_master_copies() const;
   // Training mode turns on the adapters' dropout (off by default: inference).
   void SetTraining(bool training);
   // The resolved LoRA targets (empty without LoRA).

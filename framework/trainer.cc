@@ -57,6 +57,13 @@ at::Tensor SumOver(parallel::Communicator& comm, at::Tensor t) {
   return t;
 }
 
+// FNV-1a of a parameter's name: the same on every rank and every run.
+uint64_t NameKey(const std::string& name) {
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  return h;
+}
+
 }  // namespace
 
 struct Trainer::Impl {
@@ -89,7 +96,13 @@ struct Trainer::Impl {
     }
     optimizer = std::make_unique<FusedAdamW>(
         std::vector<FusedAdamW::Group>{{decay, o.optimizer.weight_decay}, {no_decay, 0.0}},
-        AdamWHyper{o.optimizer.beta1, o.optimizer.beta2, o.optimizer.eps});
+        AdamWHyper{o.optimizer.beta1, o.optimizer.beta2, o.optimizer.eps,
+                   o.optimizer.stochastic_rounding, o.seed});
+    // The optimizer writes the experts' bfloat16 compute copies as it
+    // updates their float32 masters: no second pass after each step.
+    for (const MoeModel::MasterCopy& mc : model.expert_master_copies()) {
+      optimizer->AttachCopy(mc.master, mc.copy, NameKey(mc.name), mc.first_element);
+    }
   }
 
   static std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params) {
@@ -207,8 +220,7 @@ StepStats Trainer::Step(int64_t step) {
   stats.loss = sums[0].item<double>() / static_cast<double>(trained);
   stats.aux_loss = sums[1].item<double>() / static_cast<double>(o.grad_accum_steps);
   stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
-  s.optimizer->Step(stats.lr);
-  s.model.SyncExpertCopies();
+  s.optimizer->Step(stats.lr);  // also refreshes the experts' compute copies
   // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
   // rate towards balance, from the global batch's counts, which every rank
   // holds alike, so the biases stay equal on all ranks.

@@ -45,6 +45,9 @@ struct OptimizerOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double max_grad_norm = 1.0;  // 0 = no clipping
+  // bfloat16 expert copies of float32 masters rounded stochastically (see
+  // AdamWHyper); to nearest otherwise.
+  bool stochastic_rounding = false;
 };
 
 struct ScheduleOptions {

@@ -891,8 +891,8 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   if (op.max_grad_norm() < 0) {
     return Invalid(absl::StrCat("optimizer.max_grad_norm = ", op.max_grad_norm(), " must be >= 0"));
   }
-  run.train.optimizer = {op.lr(), op.weight_decay(), op.beta1(), op.beta2(), op.eps(),
-                         op.max_grad_norm()};
+  run.train.optimizer = {op.lr(),  op.weight_decay(),   op.beta1(),
+                         op.beta2(), op.eps(), op.max_grad_norm(), op.stochastic_rounding()};
   const proto::ScheduleConfig& sc = c.schedule();
   if (sc.warmup_steps() < 0) {
     return Invalid(absl::StrCat("schedule.warmup_steps = ", sc.warmup_steps(), " must be >= 0"));

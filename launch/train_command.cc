@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "experts/kernels/isa.h"
 #include "framework/adapter_io.h"
 #include "framework/data.h"
 #include "framework/hf_io.h"
@@ -126,6 +127,14 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   const parallel::ProcessGroups& groups = built.groups;
   std::unique_ptr<framework::MoeModel>& model = built.model;
   const framework::ModelOptions& m = run.model;
+  if (run.train.optimizer.stochastic_rounding && !model->runtime().expert_master_weights) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "optimizer.stochastic_rounding rounds the bfloat16 copies of float32 expert masters, "
+        "which this run does not have (experts in ",
+        DtypeName(model->runtime().expert_dtype), ", train.mode ",
+        run.runtime.lora.enabled() ? "lora" : "full",
+        "): set experts.dtype=bfloat16 with train.mode=full, or drop it"));
+  }
   // Parameters of the whole model (this rank holds only its experts), as
   // transformers counts them.
   const framework::ParameterCounts counts = framework::CountParameters(m);
@@ -139,6 +148,10 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
              model->runtime().expert_master_weights ? " with float32 master weights" : "",
              data->num_sequences(), run.seq_len)
       << std::endl;
+  if (run.runtime.expert_backend == "grouped") {
+    log << "moefit: expert kernels " << experts::kernels::IsaName(experts::kernels::ActiveIsa())
+        << " (CPU flags: " << experts::kernels::CpuFlags() << ")" << std::endl;
+  }
   if (run.runtime.lora.enabled()) {
     // As PEFT's print_trainable_parameters: the adapters of every expert.
     const int64_t lora =

@@ -3,7 +3,7 @@
 // machine's practical ceiling). Timing claims are ratios to that ceiling,
 // measured in the same run, because the machines are shared and noisy.
 //
-// Shape (defaults near a Qwen3-30B-A3B layer): --tokens=4096 --hidden=2048
+// Shape (defaults near a Qwen3-30B-A3B layer): --tokens=1024 --hidden=2048
 // --inter=768 --experts=32 --top_k=8, routing uniform or --pattern=skewed
 // (Zipf-like: a few hot experts); the problems are the ones the backend tests
 // check (experts/expert_problem.h).
@@ -26,15 +26,17 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
+#include "experts/kernels/isa.h"
 #include "experts/registry.h"
 
 namespace moefit::experts {
 namespace {
 
-ExpertProblemShape g_shape{"layer", 4096, 2048, 768, 32, 8, RoutingPattern::kUniform};
+ExpertProblemShape g_shape{"layer", 1024, 2048, 768, 32, 8, RoutingPattern::kUniform};
 int64_t g_lora_rank = 8;
 int64_t g_lora_tokens = 512;
 // Reports `flops` per iteration as a GFLOP/s rate.
@@ -43,8 +45,14 @@ void Record(benchmark::State& state, double flops) {
       benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// dtype float8_e4m3fn: frozen FP8 weights (block-quantized from the float32
+// ones) with bfloat16 activations, forward + dX only (no weight gradients), so
+// two forwards' FLOPs.
 void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype) {
-  ExpertProblem p = MakeExpertProblem(g_shape, dtype, 0);
+  const bool fp8 = dtype == at::kFloat8_e4m3fn;
+  ExpertProblem p = MakeExpertProblem(g_shape, fp8 ? at::kBFloat16 : dtype, 0);
+  ExpertWeights w{p.gate_up_proj, p.down_proj};
+  if (fp8) w = QuantizeFp8(p);
   auto backend = CreateExpertBackend(backend_name, {});
   if (!backend.ok()) {
     state.SkipWithError(std::string(backend.status().message()).c_str());
@@ -52,11 +60,12 @@ void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::Scala
   }
   for (auto _ : state) {
     at::Tensor act;
-    at::Tensor y = (*backend)->Forward(p.x, p.counts, {p.gate_up_proj, p.down_proj}, &act);
-    ExpertGrads g = (*backend)->Backward(p.grad_y, p.x, p.counts, {p.gate_up_proj, p.down_proj}, act);
+    at::Tensor y = (*backend)->Forward(p.x, p.counts, w, &act);
+    ExpertGrads g =
+        (*backend)->Backward(p.grad_y, p.x, p.counts, w, act, {.base_weight_grads = !fp8});
     benchmark::DoNotOptimize(g.x.data_ptr());
   }
-  Record(state, 3.0 * ExpertForwardFlops(g_shape));
+  Record(state, (fp8 ? 2.0 : 3.0) * ExpertForwardFlops(g_shape));
 }
 
 // Full fine-tuning vs LoRA on a frozen base, see the top of the file. The
@@ -134,10 +143,11 @@ class TableReporter : public benchmark::ConsoleReporter {
                 (long)g_shape.num_tokens, (long)g_shape.hidden, (long)g_shape.intermediate,
                 (long)g_shape.num_experts, (long)g_shape.top_k,
                 g_shape.pattern == moefit::experts::RoutingPattern::kSkewed ? "skewed" : "uniform");
-    std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs GEMM same dtype");
+    std::printf("CPU flags: %s; expert kernels: %s\n", kernels::CpuFlags().c_str(),
+                std::string(kernels::IsaName(kernels::ActiveIsa())).c_str());
+    std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs fp32 GEMM");
     for (const auto& [name, rate] : rates_) {
-      const bool bf16 = name.find("bf16") != std::string::npos;
-      auto ceiling = rates_.find(bf16 ? "gemm/bf16" : "gemm/fp32");
+      auto ceiling = rates_.find("gemm/fp32");
       std::printf("%-24s %10.1f %20.2f\n", name.c_str(), rate,
                   ceiling != rates_.end() && ceiling->second > 0 ? rate / ceiling->second : 0.0);
     }
@@ -188,22 +198,24 @@ int main(int argc, char** argv) {
     rest.push_back(argv[i]);
   }
   int rest_argc = static_cast<int>(rest.size());
-  for (const char* backend : {"eager", "grouped"}) {
-    for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
-      benchmark::RegisterBenchmark((std::string("experts/") + backend + "/" + dname).c_str(),
-                                   moefit::experts::BM_ExpertLayer, std::string(backend), dtype)
-          ->Unit(benchmark::kMillisecond)
-          ->UseRealTime()
-          ->MinTime(2.0);
-    }
-  }
-  for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
-    benchmark::RegisterBenchmark((std::string("gemm/") + dname).c_str(), moefit::experts::BM_Gemm,
-                                 dtype)
+  // eager runs LibTorch's per-expert mm: float32 only (its bfloat16 mm has
+  // no fast kernel on CPUs without AVX-512 BF16).
+  const std::tuple<const char*, at::ScalarType, const char*> layers[] = {
+      {"eager", at::kFloat, "fp32"},
+      {"grouped", at::kFloat, "fp32"},
+      {"grouped", at::kBFloat16, "bf16"},
+      {"grouped", at::kFloat8_e4m3fn, "fp8_frozen"}};
+  for (auto [backend, dtype, dname] : layers) {
+    benchmark::RegisterBenchmark((std::string("experts/") + backend + "/" + dname).c_str(),
+                                 moefit::experts::BM_ExpertLayer, std::string(backend), dtype)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
-        ->MinTime(2.0);
+        ->MinTime(1.0);
   }
+  benchmark::RegisterBenchmark("gemm/fp32", moefit::experts::BM_Gemm, at::kFloat)
+      ->Unit(benchmark::kMillisecond)
+      ->UseRealTime()
+      ->MinTime(1.0);
   for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
     benchmark::RegisterBenchmark((std::string("lora/") + dname).c_str(),
                                  moefit::experts::BM_LoraStep, dtype)

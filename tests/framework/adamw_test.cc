@@ -5,6 +5,7 @@
 #include "framework/adamw.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
@@ -84,6 +85,72 @@ TEST(FusedAdamW, MatchesLibTorchAndItsAtenTwin) {
   for (size_t i = 1; i < fused.size(); ++i) EXPECT_TRUE(fused[i].grad().defined());
   opt_fused.ZeroGrad();
   for (const at::Tensor& p : fused) EXPECT_FALSE(p.grad().defined());
+}
+
+// Attached bfloat16 copies: written in the update's own pass, equal to the
+// updated master rounded to nearest, in the fused pass and in its twin.
+TEST(FusedAdamW, AttachedCopiesAreTheRoundedMasters) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(3);
+  std::vector<at::Tensor> fused = Params(gen), twin = Clone(fused);
+  FusedAdamW a({{fused, 0.1}}, {}, /*fused=*/true), b({{twin, 0.1}}, {}, /*fused=*/false);
+  std::vector<at::Tensor> ca, cb;
+  for (size_t i = 0; i < fused.size(); ++i) {
+    ca.push_back(at::zeros(fused[i].sizes(), at::kBFloat16));
+    cb.push_back(at::zeros(twin[i].sizes(), at::kBFloat16));
+    a.AttachCopy(fused[i], ca[i]);
+    b.AttachCopy(twin[i], cb[i]);
+  }
+  for (int step = 0; step < 3; ++step) {
+    SetGrads(fused, step);
+    SetGrads(twin, step);
+    a.Step(1e-2);
+    b.Step(1e-2);
+    for (size_t i = 0; i < fused.size(); ++i) {
+      EXPECT_TRUE(at::equal(ca[i], fused[i].detach().to(at::kBFloat16))) << i;
+      EXPECT_TRUE(at::equal(cb[i], twin[i].detach().to(at::kBFloat16))) << i;
+    }
+  }
+  EXPECT_THROW(a.AttachCopy(at::zeros({3}), at::zeros({3}, at::kBFloat16)), c10::Error);
+}
+
+// Stochastic rounding: a master a quarter of a bfloat16 step above 1 rounds
+// up in about a quarter of the elements (down otherwise), negative values
+// alike; the bits do not depend on the thread count or on how a tensor is
+// split (first_element), and the twin draws the same ones.
+TEST(FusedAdamW, StochasticRoundingIsUnbiasedAndReproducible) {
+  constexpr int64_t n = 200000;
+  const float up = 1.0f + 0.0078125f;  // 1 + 2^-7: one bfloat16 step above 1
+  at::Tensor values = at::full({n}, 1.0f + 0.25f * 0.0078125f);
+  values.narrow(0, n / 2, n / 2).neg_();
+  const int saved_threads = at::get_num_threads();
+  auto run = [&](bool fused, int threads, bool split) {
+    at::set_num_threads(threads);
+    std::vector<at::Tensor> params, copies;
+    std::vector<int64_t> firsts;
+    const int64_t parts = split ? 2 : 1;
+    for (int64_t p = 0; p < parts; ++p) {
+      params.push_back(values.narrow(0, p * n / parts, n / parts).clone().requires_grad_());
+      copies.push_back(at::zeros({n / parts}, at::kBFloat16));
+      firsts.push_back(p * n / parts);
+    }
+    FusedAdamW opt({{params, 0.0}}, {.stochastic_rounding = true, .seed = 7}, fused);
+    for (size_t p = 0; p < params.size(); ++p) {
+      opt.AttachCopy(params[p], copies[p], /*key=*/42, firsts[p]);
+      params[p].mutable_grad() = at::zeros({n / parts});  // no update: only the rounding
+    }
+    opt.Step(1e-3);
+    at::set_num_threads(saved_threads);
+    return at::cat(copies).to(at::kFloat);
+  };
+  const at::Tensor c = run(true, 2, false);
+  const double frac_up_pos = c.narrow(0, 0, n / 2).eq(up).sum().item<double>() / (n / 2);
+  const double frac_up_neg = c.narrow(0, n / 2, n / 2).eq(-up).sum().item<double>() / (n / 2);
+  EXPECT_NEAR(frac_up_pos, 0.25, 0.01);
+  EXPECT_NEAR(frac_up_neg, 0.25, 0.01);
+  EXPECT_TRUE(at::logical_or(c.abs().eq(1.0f), c.abs().eq(up)).all().item<bool>());
+  EXPECT_TRUE(at::equal(c, run(true, 1, false)));
+  EXPECT_TRUE(at::equal(c, run(true, 2, true)));  // split in two tensors
+  EXPECT_TRUE(at::equal(c, run(false, 1, false)));
 }
 
 TEST(SquaredNormSum, EqualsAtenInDouble) {

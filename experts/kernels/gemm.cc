@@ -23,6 +23,16 @@ namespace {
 
 using internal::PackedKernels;
 
+// Rows of a bfloat16 output computed at a time (a multiple of 128, the FP8
+// scale block): the float32 block they are summed in stays a few MB.
+constexpr int64_t kMaxBufferedRows = 256;
+
+int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1; }
+
+// Columns of B packed at a time when A is a single block of rows (a multiple
+// of every microkernel's nr; 512 x kb float32 fits in L2).
+constexpr int64_t kSmallBlockColumns = 512;
+
 const PackedKernels& Select(Isa isa, const Operand& a, const Operand& b) {
   const bool narrow = a.type != ElemType::kF32 || b.type != ElemType::kF32;
   switch (isa) {
@@ -124,9 +134,31 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   }
   CheckOperand(a, "A");
   CheckOperand(b, "B");
+  // A bfloat16 output is summed in a float32 block of all its rows: bound
+  // that block by taking the rows in chunks (each packs B again, which a
+  // chunk this tall amortizes).
+  if (c.type != ElemType::kF32 && m > kMaxBufferedRows) {
+    for (int64_t i = 0; i < m; i += kMaxBufferedRows) {
+      const int64_t rows = std::min(kMaxBufferedRows, m - i);
+      Operand a_rows = a;
+      a_rows.data = static_cast<const char*>(a.data) + i * a.row_stride * ElementBytes(a.type);
+      if (a.type == ElemType::kF8E4M3) {
+        TORCH_CHECK(i % kScaleBlock == 0, "Gemm: row chunks must align with the FP8 scale blocks");
+        a_rows.scales = a.scales + (i / kScaleBlock) * a.scale_row_stride;
+      }
+      Output c_rows = c;
+      c_rows.data = static_cast<char*>(c.data) + i * c.row_stride * ElementBytes(c.type);
+      Gemm(isa, rows, n, k_size, a_rows, b, c_rows, accumulate);
+    }
+    return;
+  }
   const PackedKernels& kern = Select(isa, a, b);
   thread_local Workspace ws;
-  const int64_t nb_max = std::min(kern.nb, n);
+  // With one block of rows, each packed B block is used once, right after it
+  // is packed: keep it small enough to stay in L2 instead of travelling to
+  // memory and back. With more rows, wide blocks pack A fewer times.
+  const int64_t nb_block = m <= kern.mb ? std::min<int64_t>(kern.nb, kSmallBlockColumns) : kern.nb;
+  const int64_t nb_max = std::min(nb_block, n);
   const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
   const int64_t mb_max = std::min(kern.mb, m);
   // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
@@ -140,8 +172,8 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   const bool direct = c.type == ElemType::kF32;
   float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
 
-  for (int64_t n0 = 0; n0 < n; n0 += kern.nb) {
-    const int64_t nb = std::min(kern.nb, n - n0);
+  for (int64_t n0 = 0; n0 < n; n0 += nb_block) {
+    const int64_t nb = std::min(nb_block, n - n0);
     float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
     const int64_t ldc = direct ? c.row_stride : nb;
     for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {

@@ -53,7 +53,7 @@ const PackedKernels& PortableF32Kernels() {
                                kMr,
                                kNr,
                                /*kb=*/256,
-                               /*nb=*/128,
+                               /*nb=*/4096,
                                /*mb=*/64,
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,

@@ -152,7 +152,7 @@ TEST_P(GemmOnIsa, MatchesFloat64ReferenceOnOddShapes) {
 
 TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
   // Beyond one k block (kb up to 512), one m block (96) and several 128-row
-  // scale blocks; single rows and columns.
+  // scale blocks; single rows and columns; FP8 as A too.
   const Case cases[] = {
       {1, 1, 1, ElemType::kF32, ElemType::kF32, false, true, ElemType::kF32, false},
       {1, 300, 700, ElemType::kF32, ElemType::kBF16, false, true, ElemType::kF32, false},
@@ -161,6 +161,9 @@ TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
       {130, 70, 257, ElemType::kBF16, ElemType::kF8E4M3, true, false, ElemType::kBF16, false},
       {25, 33, 513, ElemType::kF32, ElemType::kF32, true, false, ElemType::kBF16, true},
       {12, 32, 2, ElemType::kF32, ElemType::kF32, false, false, ElemType::kF32, true},
+      // A bfloat16 output taller than one buffered chunk of rows (256).
+      {300, 40, 70, ElemType::kBF16, ElemType::kF8E4M3, false, true, ElemType::kBF16, true},
+      {520, 17, 33, ElemType::kF8E4M3, ElemType::kF32, false, false, ElemType::kBF16, false},
   };
   uint64_t seed = 100;
   for (const Case& c : cases) Check(GetParam(), c, seed++);

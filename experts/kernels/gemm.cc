@@ -153,6 +153,7 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
     return;
   }
   const PackedKernels& kern = Select(isa, a, b);
+  if (kern.small_rows != nullptr && kern.small_rows(m, n, k_size, a, b, c, accumulate)) return;
   thread_local Workspace ws;
   // With one block of rows, each packed B block is used once, right after it
   // is packed: keep it small enough to stay in L2 instead of travelling to

@@ -84,7 +84,8 @@ const PackedKernels& Avx2F32Kernels() {
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,
                                &PackBF32<kNr>,
-                               &Micro};
+                               &Micro,
+                               &SmallRowsUpTo8};
   return k;
 }
 

@@ -90,7 +90,8 @@ const PackedKernels& Avx512F32Kernels() {
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,
                                &PackBF32<kNr>,
-                               &Micro};
+                               &Micro,
+                               &SmallRowsUpTo8};
   return k;
 }
 

@@ -165,7 +165,8 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                /*pairs=*/true,
                                &PackAGeneric<kMr, true>,
                                &PackBPairs,
-                               &Micro};
+                               &Micro,
+                               &SmallRowsUpTo8};
   return k;
 }
 

@@ -58,7 +58,8 @@ const PackedKernels& PortableF32Kernels() {
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,
                                &PackBGeneric<kNr, false>,
-                               &Micro};
+                               &Micro,
+                               nullptr};
   return k;
 }
 

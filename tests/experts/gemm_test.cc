@@ -161,6 +161,13 @@ TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
       {130, 70, 257, ElemType::kBF16, ElemType::kF8E4M3, true, false, ElemType::kBF16, false},
       {25, 33, 513, ElemType::kF32, ElemType::kF32, true, false, ElemType::kBF16, true},
       {12, 32, 2, ElemType::kF32, ElemType::kF32, false, false, ElemType::kF32, true},
+      // A few rows: B streamed unpacked (both B layouts, tails of k and n).
+      {3, 200, 300, ElemType::kBF16, ElemType::kF8E4M3, false, false, ElemType::kBF16, true},
+      {4, 70, 263, ElemType::kF32, ElemType::kF8E4M3, false, true, ElemType::kF32, false},
+      {2, 129, 77, ElemType::kF32, ElemType::kBF16, false, false, ElemType::kF32, true},
+      {7, 1100, 90, ElemType::kBF16, ElemType::kBF16, false, false, ElemType::kF32, false},
+      {8, 45, 300, ElemType::kF32, ElemType::kF8E4M3, false, true, ElemType::kBF16, true},
+      {1, 64, 129, ElemType::kBF16, ElemType::kF32, false, true, ElemType::kF32, false},
       // A bfloat16 output taller than one buffered chunk of rows (256).
       {300, 40, 70, ElemType::kBF16, ElemType::kF8E4M3, false, true, ElemType::kBF16, true},
       {520, 17, 33, ElemType::kF8E4M3, ElemType::kF32, false, false, ElemType::kBF16, false},

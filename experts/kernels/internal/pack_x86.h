@@ -29,6 +29,16 @@ constexpr int kVl = 8;
 
 inline VecF MulS(VecF v, float s) { return _mm256_mul_ps(v, _mm256_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF ZeroF() { return _mm256_setzero_ps(); }
+inline VecF SetF(float x) { return _mm256_set1_ps(x); }
+inline VecF FmaF(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline VecF LoadPlainF(const float* p) { return _mm256_loadu_ps(p); }
+inline float SumF(VecF v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
 
 // kVl elements of type T starting at element `idx` of `data`, as float32.
 template <ElemType T>
@@ -80,6 +90,11 @@ constexpr int kVl = 16;
 
 inline VecF MulS(VecF v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF ZeroF() { return _mm512_setzero_ps(); }
+inline VecF SetF(float x) { return _mm512_set1_ps(x); }
+inline VecF FmaF(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline VecF LoadPlainF(const float* p) { return _mm512_loadu_ps(p); }
+inline float SumF(VecF v) { return _mm512_reduce_add_ps(v); }
 
 template <ElemType T>
 inline VecF LoadF(const void* data, int64_t idx) {
@@ -177,6 +192,125 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
       if (k < k_size) PackBGeneric<kNr, false>(b, k0 + k, k_size - k, col0, kNr, o + k * kNr);
     }
   });
+}
+
+// Writes v into C[i, j] (float32 or bfloat16), adding to C when accumulating.
+inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumulate) {
+  if (c.type == ElemType::kF32) {
+    float* p = static_cast<float*>(c.data) + i * c.row_stride + j;
+    *p = accumulate ? *p + v : v;
+  } else {
+    uint16_t* p = static_cast<uint16_t*>(c.data) + i * c.row_stride + j;
+    *p = F32ToBf16(accumulate ? Bf16ToF32(*p) + v : v);
+  }
+}
+
+// A few rows of A (at most kMaxRows: 4 or 8): the GEMM is a handful of matrix-vector
+// products, bound by reading B (the weight) once. Packing B would read and
+// write it once more, so here B is streamed straight from where it lies and
+// converted in registers, as is A, in float32 (no bfloat16 rounding of A on
+// any instruction set). Returns false, having done nothing, for layouts it
+// does not take (A with strided columns or FP8; B with neither dimension
+// contiguous).
+template <int kMaxRows>
+bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+               const Output& c, bool accumulate) {
+  if (m > kMaxRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
+      (b.row_stride != 1 && b.col_stride != 1)) {
+    return false;
+  }
+  DispatchType(a.type, [&]<ElemType TA>() {
+    DispatchType(b.type, [&]<ElemType T>() {
+      if constexpr (TA != ElemType::kF8E4M3) {
+        if (b.row_stride == 1) {
+          // B(k, j) = data[j * col_stride + k]: column j is contiguous along
+          // k. kCols columns at a time: m x kCols vector accumulators (half
+          // the registers), summed at the end.
+          constexpr int kCols = kVl == 16 ? (kMaxRows <= 4 ? 4 : 2) : (kMaxRows <= 4 ? 2 : 1);
+          for (int64_t j0 = 0; j0 < n; j0 += kCols) {
+            const int cols = static_cast<int>(MinI(kCols, n - j0));
+            VecF acc[kMaxRows][kCols];
+            float tail[kMaxRows][kCols] = {};
+            for (int i = 0; i < kMaxRows; ++i)
+              for (int j = 0; j < kCols; ++j) acc[i][j] = ZeroF();
+            int64_t k = 0;
+            for (; k + kVl <= k_size; k += kVl) {
+              VecF x[kMaxRows];
+              for (int i = 0; i < kMaxRows; ++i) {
+                x[i] = i < m ? LoadF<TA>(a.data, i * a.row_stride + k) : ZeroF();
+              }
+              for (int j = 0; j < cols; ++j) {
+                VecF w = LoadF<T>(b.data, (j0 + j) * b.col_stride + k);
+                if constexpr (T == ElemType::kF8E4M3) w = MulS(w, Scale<T>(b, k, j0 + j));
+                for (int i = 0; i < kMaxRows; ++i) {
+                  if (i < m) acc[i][j] = FmaF(x[i], w, acc[i][j]);
+                }
+              }
+            }
+            for (; k < k_size; ++k) {
+              for (int j = 0; j < cols; ++j) {
+                const float w = ValueAs<T>(b, k, j0 + j);
+                for (int64_t i = 0; i < m; ++i) tail[i][j] += ValueAs<TA>(a, i, k) * w;
+              }
+            }
+            for (int64_t i = 0; i < m; ++i) {
+              for (int j = 0; j < cols; ++j) {
+                StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
+              }
+            }
+          }
+          return;
+        }
+        // B(k, j) = data[k * row_stride + j]: row k is contiguous along j.
+        // Strips of up to kStrip columns: the m rows of C for the strip stay
+        // in L1 while B is read row after row, kStrip contiguous elements at
+        // a time (long runs, as the prefetchers like).
+        constexpr int64_t kStrip = 4096 / kMaxRows;
+        alignas(64) float acc[kMaxRows][kStrip];
+        int64_t j0 = 0;
+        const int64_t full = n / kVl * kVl;
+        for (; j0 < full; j0 += kStrip) {
+          const int64_t width = MinI(kStrip, full - j0);
+          for (int64_t i = 0; i < m; ++i)
+            for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
+          for (int64_t k = 0; k < k_size; ++k) {
+            VecF x[kMaxRows];
+            for (int i = 0; i < kMaxRows; ++i) {
+              x[i] = i < m ? SetF(ValueAs<TA>(a, i, k)) : ZeroF();
+            }
+            const int64_t row = k * b.row_stride + j0;
+            for (int64_t j = 0; j < width; j += kVl) {
+              VecF w = LoadF<T>(b.data, row + j);
+              if constexpr (T == ElemType::kF8E4M3) w = MulS(w, Scale<T>(b, k, j0 + j));
+              for (int i = 0; i < kMaxRows; ++i) {
+                if (i < m) StoreF(&acc[i][j], FmaF(x[i], w, LoadPlainF(&acc[i][j])));
+              }
+            }
+          }
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
+          }
+        }
+        j0 = full;
+        // The last columns (fewer than one vector), scalar.
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t j = j0; j < n; ++j) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < k_size; ++k) sum += ValueAs<TA>(a, i, k) * ValueAs<T>(b, k, j);
+            StoreOut(c, i, j, sum, accumulate);
+          }
+        }
+      }
+    });
+  });
+  return true;
+}
+
+// SmallRows for up to 8 rows, with the register blocking of 4 or of 8.
+inline bool SmallRowsUpTo8(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                           const Output& c, bool accumulate) {
+  return m <= 4 ? SmallRows<4>(m, n, k_size, a, b, c, accumulate)
+                : SmallRows<8>(m, n, k_size, a, b, c, accumulate);
 }
 
 }  // namespace

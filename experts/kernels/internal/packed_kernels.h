@@ -37,6 +37,11 @@ struct PackedKernels {
   // x B panel over k_size; rows <= mr, cols <= nr.
   void (*micro)(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
                 int rows, int cols, bool accumulate);
+  // Optional (may be null): the whole GEMM for a few rows of A, streaming B
+  // without packing it (memory-bound matrix-vector products). Returns false
+  // when it does not take the call; the blocked path then runs.
+  bool (*small_rows)(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                     const Output& c, bool accumulate);
 };
 
 const PackedKernels& PortableF32Kernels();

@@ -6,13 +6,24 @@ transformers with random weights and saved; then the same number of steps of
 AdamW on batches of the same shape runs in both (transformers in eager PyTorch
 with its grouped_mm experts, one process; moefit with `model.model_path` of the
 saved directory, one process), each with the same thread count. Prints tokens
-per second of each (steps after the first two, which warm up allocators) and
-the ratio moefit / transformers, measured in this run.
+per second of each (steps after the first two, which warm up allocators), the
+ratio moefit / transformers, and each one's model FLOPs per second against a
+float32 GEMM ceiling (torch.mm of 2048^3 on the same threads) measured in the
+same run. Model FLOPs per token: 6 x the parameters a token passes through
+(2 forward, 4 backward; the routed experts counted top_k times, embeddings
+not) plus attention's 12 x layers x seq_len x heads x head dim; in LoRA mode
+the frozen weights take no weight gradient, so 4 x (and the adapters' FLOPs
+are left out).
+
+--mode lora trains rank-16 LoRA adapters on the attention projections and on
+the fused experts (PEFT's target_parameters for transformers + PEFT; moefit's
+lora.target_modules with `experts`), the base frozen. --experts-dtype sets
+moefit's experts.dtype (transformers stays float32).
 
     ~/.cache/moefit/venv/bin/python benchmarks/e2e/train_vs_transformers.py \\
-        --family deepseek_v3 [--hidden 512 --experts 32 --layers 4 --steps 8 --threads 2]
+        --family qwen3_moe [--mode full|lora --hidden 512 --experts 32 --layers 4 --steps 8 --threads 2]
 
-Defaults finish in well under two minutes on 2 cores.
+Defaults finish in about two minutes on 2 cores.
 """
 import argparse
 import os
@@ -44,10 +55,23 @@ def config(args):
                          attention_bias=True)
 
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLA = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def lora_targets(args):
+    return MLA if args.family == "deepseek_v3" else ATTENTION
+
+
 def transformers_tok_s(model, args):
     torch.set_num_threads(args.threads)
+    if args.mode == "lora":
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(
+            r=args.rank, lora_alpha=2 * args.rank, target_modules=lora_targets(args),
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     gen = torch.Generator().manual_seed(0)
     times = []
     for _ in range(args.steps):
@@ -67,16 +91,53 @@ def moefit_tok_s(build_dir, model_dir, args):
     cmd = [str(build_dir / "launch" / "moefit"), "train", "--set", f"model.model_path={model_dir}",
            "--set", f"train.steps={args.steps}", "--set", f"train.seq_len={args.seq_len}",
            "--set", f"train.micro_batch_size={args.batch}", "--set", "logging.metrics_file=",
-           "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e-4"]
+           "--set", "schedule.warmup_steps=0", "--set", "optimizer.lr=1e-4",
+           "--set", f"experts.dtype={args.experts_dtype}"]
+    if args.mode == "lora":
+        targets = ",".join(lora_targets(args) + ["experts"])
+        cmd += ["--set", "train.mode=lora", "--set", f"lora.rank={args.rank}",
+                "--set", f"lora.alpha={2 * args.rank}", "--set", f"lora.target_modules=[{targets}]"]
     env = dict(os.environ, MOEFIT_NUM_THREADS=str(args.threads))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True).stdout
     rates = [float(m) for m in re.findall(r"\| (\d+) tok/s", out)]
     return sum(rates[2:]) / len(rates[2:])
 
 
+def gemm_gflops(threads):
+    torch.set_num_threads(threads)
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    torch.mm(a, b)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 3.0:
+        torch.mm(a, b)
+        n += 1
+    return 2 * 2048 ** 3 * n / (time.perf_counter() - start) / 1e9
+
+
+def flops_per_token(model, cfg, args):
+    """Model FLOPs of one trained token (see the top of the file)."""
+    routed = shared = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if ".mlp.experts." in name:
+            routed += p.numel()
+        else:
+            shared += p.numel()
+    active = shared + routed * cfg.num_experts_per_tok / args.experts
+    heads_dim = cfg.num_attention_heads * getattr(cfg, "head_dim", None) if getattr(
+        cfg, "head_dim", None) else cfg.hidden_size
+    attention = 12 * cfg.num_hidden_layers * args.seq_len * heads_dim / 2  # causal: half
+    per_param = 6 if args.mode == "full" else 4
+    return per_param * active + (attention if args.mode == "full" else 2 * attention / 3)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--family", default="deepseek_v3", choices=["qwen3_moe", "deepseek_v3", "glm4_moe"])
+    p.add_argument("--family", default="qwen3_moe", choices=["qwen3_moe", "deepseek_v3", "glm4_moe"])
+    p.add_argument("--mode", default="full", choices=["full", "lora"])
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--experts-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--inter", type=int, default=256)
     p.add_argument("--experts", type=int, default=32)
@@ -89,17 +150,25 @@ def main():
     p.add_argument("--build-dir", default=os.environ.get("MOEFIT_BUILD_DIR", "build"))
     args = p.parse_args()
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config(args), experts_implementation="grouped_mm")
+    cfg = config(args)
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
+    fpt = flops_per_token(model, cfg, args)
+    n = sum(p.numel() for p in model.parameters())
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
-        hf = transformers_tok_s(model, args)
+        ceiling = gemm_gflops(args.threads)
         mf = moefit_tok_s(pathlib.Path(args.build_dir), tmp, args)
-    n = sum(p.numel() for p in model.parameters())
-    print(f"{args.family}: {n / 1e6:.1f}M parameters, {args.layers} layers, hidden {args.hidden}, "
-          f"{args.experts} experts top-{args.top_k}, {args.batch} x {args.seq_len} tokens per step, "
-          f"{args.threads} threads")
-    print(f"  transformers: {hf:8.0f} tokens/s")
-    print(f"  moefit:       {mf:8.0f} tokens/s   ratio moefit / transformers = {mf / hf:.2f}")
+        hf = transformers_tok_s(model, args)
+    print(f"{args.family}, {args.mode}: {n / 1e6:.1f}M parameters, {args.layers} layers, hidden "
+          f"{args.hidden}, {args.experts} experts of {args.inter} top-{args.top_k}, {args.batch} x "
+          f"{args.seq_len} tokens per step, {args.threads} threads; moefit experts in "
+          f"{args.experts_dtype}")
+    print(f"  float32 GEMM ceiling: {ceiling:8.1f} GFLOP/s; model FLOPs per token {fpt / 1e6:.1f} M")
+    for name, tok in (("transformers" + (" + PEFT" if args.mode == "lora" else ""), hf),
+                      ("moefit", mf)):
+        gf = tok * fpt / 1e9
+        print(f"  {name:20s} {tok:8.0f} tokens/s  {gf:7.1f} GFLOP/s  {gf / ceiling:5.2f} of the ceiling")
+    print(f"  ratio moefit / transformers = {mf / hf:.2f}")
 
 
 if __name__ == "__main__":

@@ -101,6 +101,45 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
                   void* out) {
   const int64_t panels = (m_size + kMr - 1) / kMr;
   const int64_t kp = (k_size + 1) / 2;
+  if (a.col_stride == 1 && a.type != ElemType::kF8E4M3) {
+    // Rows contiguous along k (activations, row-major): typed loops, one row
+    // at a time, with no per-element index arithmetic or scales.
+    DispatchType(a.type, [&]<ElemType T>() {
+      if constexpr (T != ElemType::kF8E4M3) {
+        for (int64_t p = 0; p < panels; ++p) {
+          for (int r = 0; r < kMr; ++r) {
+            const int64_t row = p * kMr + r;
+            const bool inside = row < m_size;
+            const int64_t base = (m0 + row) * a.row_stride + k0;
+            if constexpr (kPairs) {
+              uint32_t* o = static_cast<uint32_t*>(out) + p * kp * kMr + r;
+              for (int64_t q = 0; q < kp; ++q) {
+                uint32_t lo = 0, hi = 0;
+                if (inside) {
+                  if constexpr (T == ElemType::kBF16) {
+                    const auto* src = static_cast<const uint16_t*>(a.data) + base;
+                    lo = src[2 * q];
+                    hi = 2 * q + 1 < k_size ? src[2 * q + 1] : 0u;
+                  } else {
+                    const auto* src = static_cast<const float*>(a.data) + base;
+                    lo = F32ToBf16(src[2 * q]);
+                    hi = 2 * q + 1 < k_size ? F32ToBf16(src[2 * q + 1]) : 0u;
+                  }
+                }
+                o[q * kMr] = lo | (hi << 16);
+              }
+            } else {
+              float* o = static_cast<float*>(out) + p * k_size * kMr + r;
+              for (int64_t k = 0; k < k_size; ++k) {
+                o[k * kMr] = inside ? LoadAs<T>(a.data, base + k) : 0.0f;
+              }
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
   DispatchType(a.type, [&]<ElemType T>() {
     for (int64_t p = 0; p < panels; ++p) {
       for (int r = 0; r < kMr; ++r) {

@@ -349,7 +349,7 @@ TEST(ConfigErrors, MissingFile) {
 TEST(ConfigErrors, BadOverrides) {
   EXPECT_EQ(ErrorOf("", {"optimizer.lrr=1"}),
             "--set optimizer.lrr=1: unknown field 'lrr' in optimizer (fields: lr, weight_decay, "
-            "beta1, beta2, eps, max_grad_norm)");
+            "beta1, beta2, eps, max_grad_norm, stochastic_rounding)");
   EXPECT_EQ(ErrorOf("", {"optimizer.lr=fast"}),
             "--set optimizer.lr=fast: 'fast' is not a valid double for optimizer.lr");
   EXPECT_EQ(ErrorOf("", {"train.steps"}),

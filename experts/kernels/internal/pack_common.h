@@ -140,6 +140,41 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
     });
     return;
   }
+  if (a.row_stride == 1 && a.type != ElemType::kF8E4M3) {
+    // Columns contiguous along the rows (a transposed activation: dY or
+    // d(gate|up) read as A of a weight gradient): each k gives a panel's rows
+    // in a run.
+    DispatchType(a.type, [&]<ElemType T>() {
+      if constexpr (T != ElemType::kF8E4M3) {
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t rows = MinI(kMr, m_size - p * kMr);
+          auto at = [&](int64_t k, int r) {
+            return LoadAs<T>(a.data, (k0 + k) * a.col_stride + m0 + p * kMr + r);
+          };
+          if constexpr (kPairs) {
+            uint32_t* o = static_cast<uint32_t*>(out) + p * kp * kMr;
+            for (int64_t q = 0; q < kp; ++q) {
+              const bool has_hi = 2 * q + 1 < k_size;
+              for (int r = 0; r < kMr; ++r) {
+                uint32_t lo = 0, hi = 0;
+                if (r < rows) {
+                  lo = F32ToBf16(at(2 * q, r));
+                  if (has_hi) hi = F32ToBf16(at(2 * q + 1, r));
+                }
+                o[q * kMr + r] = lo | (hi << 16);
+              }
+            }
+          } else {
+            float* o = static_cast<float*>(out) + p * k_size * kMr;
+            for (int64_t k = 0; k < k_size; ++k) {
+              for (int r = 0; r < kMr; ++r) o[k * kMr + r] = r < rows ? at(k, r) : 0.0f;
+            }
+          }
+        }
+      }
+    });
+    return;
+  }
   DispatchType(a.type, [&]<ElemType T>() {
     for (int64_t p = 0; p < panels; ++p) {
       for (int r = 0; r < kMr; ++r) {

@@ -99,15 +99,30 @@ kernels::Operand WeightOp(const at::Tensor& w, const at::Tensor& scale, int64_t 
   return op;
 }
 
+// Per expert, the GEMM path of its tiles: streamed when the expert has few
+// rows in all, blocked otherwise -- decided by the expert's total, not by a
+// tile's, so that a token's result does not depend on how the rows reached
+// this rank (one segment or one per source rank) or were cut into tiles.
+std::vector<kernels::RowPath> ExpertPaths(const std::vector<int64_t>& counts, int64_t num_experts) {
+  std::vector<int64_t> rows(num_experts, 0);
+  for (size_t s = 0; s < counts.size(); ++s) rows[s % num_experts] += counts[s];
+  std::vector<kernels::RowPath> paths(num_experts);
+  for (int64_t e = 0; e < num_experts; ++e) {
+    paths[e] = rows[e] <= kernels::kMaxStreamedRows ? kernels::RowPath::kStreamed
+                                                    : kernels::RowPath::kBlocked;
+  }
+  return paths;
+}
+
 // out = a · w[e]ᵀ (transposed) or a · w[e].
 void WeightMm(at::Tensor out, const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale,
-              int64_t e, bool transposed) {
+              int64_t e, bool transposed, kernels::RowPath path) {
   if (!OnKernels(a)) {
     MmInto(out, a, transposed ? w[e].t() : w[e]);
     return;
   }
   kernels::Gemm(a.size(0), out.size(1), a.size(1), MatrixOp(a), WeightOp(w, scale, e, transposed),
-                OutputOp(out), /*accumulate=*/false);
+                OutputOp(out), /*accumulate=*/false, path);
 }
 
 // Torch's own intra-op threads are set to one while the tiles run: the
@@ -204,8 +219,9 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
 // The gate/up pre-activations of one tile of expert e, LoRA term included,
 // written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
 // without a gate_up adapter).
-at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t) {
-  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true);
+at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
+                      kernels::RowPath path) {
+  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path);
   if (!w.lora.has_gate_up()) return {};
   at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
   AddMm(gu_t, u, w.lora.gate_up_b[e].t());
@@ -270,16 +286,17 @@ class GroupedBackend final : public ExpertBackend {
     at::Tensor y = at::empty({rows, w.down_proj.size(1)}, x.options());
     const std::vector<Tile> tiles =
         RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
+    const std::vector<kernels::RowPath> paths = ExpertPaths(counts, w.gate_up_proj.size(0));
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       at::Tensor h_t = h.narrow(0, tile.begin, tile.size);
       at::Tensor y_t = y.narrow(0, tile.begin, tile.size);
-      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t);
+      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t, paths[e]);
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMul",
                                      [&] { SiluMul<scalar_t>(gu_t, h_t); });
-      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true);
+      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e]);
       if (lora.has_down()) {
         AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
       }
@@ -339,6 +356,7 @@ class GroupedBackend final : public ExpertBackend {
     // derivative, dx, each with its LoRA term, and the low-rank intermediates.
     const int64_t num_experts = w.gate_up_proj.size(0);
     const std::vector<Tile> tiles = RowTiles(counts, num_experts, TileRows(rows, num_threads_));
+    const std::vector<kernels::RowPath> paths = ExpertPaths(counts, num_experts);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
@@ -350,13 +368,13 @@ class GroupedBackend final : public ExpertBackend {
       at::Tensor dy_t = grad_y.narrow(0, tile.begin, tile.size);
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       if (!activations.defined()) {
-        at::Tensor u = GateUpTile(x_t, e, w, gu_t);
+        at::Tensor u = GateUpTile(x_t, e, w, gu_t, paths[e]);
         if (lora_gu) u_gu.narrow(0, tile.begin, tile.size).copy_(u);
       } else if (lora_gu) {
         u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
-      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false);
+      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e]);
       if (lora_down) {
         at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
         AddMm(dh_t, du, lora.down_a[e]);
@@ -370,7 +388,7 @@ class GroupedBackend final : public ExpertBackend {
         u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
-      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false);
+      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e]);
       if (lora_gu) {
         at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
         AddMm(dx_t, du, lora.gate_up_a[e]);

@@ -108,15 +108,17 @@ float ElementValue(const Operand& op, int64_t i, int64_t j) {
 }
 
 void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
-          bool accumulate) {
-  Gemm(ActiveIsa(), m, n, k_size, a, b, c, accumulate);
+          bool accumulate, RowPath path) {
+  Gemm(ActiveIsa(), m, n, k_size, a, b, c, accumulate, path);
 }
 
 void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
-          const Output& c, bool accumulate) {
+          const Output& c, bool accumulate, RowPath path) {
   TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "Gemm: ", IsaName(isa),
               " kernels cannot run on this CPU (", CpuFlags(), ")");
   TORCH_CHECK(m >= 0 && n >= 0 && k_size >= 0, "Gemm: negative size");
+  TORCH_CHECK(path != RowPath::kStreamed || m <= kMaxStreamedRows, "Gemm: ", m,
+              " rows cannot be streamed (at most ", kMaxStreamedRows, ")");
   TORCH_CHECK(c.type == ElemType::kF32 || c.type == ElemType::kBF16,
               "Gemm: the output is float32 or bfloat16");
   if (m == 0 || n == 0) return;
@@ -148,12 +150,17 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
       }
       Output c_rows = c;
       c_rows.data = static_cast<char*>(c.data) + i * c.row_stride * ElementBytes(c.type);
-      Gemm(isa, rows, n, k_size, a_rows, b, c_rows, accumulate);
+      Gemm(isa, rows, n, k_size, a_rows, b, c_rows, accumulate, RowPath::kBlocked);
     }
     return;
   }
   const PackedKernels& kern = Select(isa, a, b);
-  if (kern.small_rows != nullptr && kern.small_rows(m, n, k_size, a, b, c, accumulate)) return;
+  const bool streamed =
+      path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
+  if (streamed && kern.small_rows != nullptr &&
+      kern.small_rows(m, n, k_size, a, b, c, accumulate)) {
+    return;
+  }
   thread_local Workspace ws;
   // With one block of rows, each packed B block is used once, right after it
   // is packed: keep it small enough to stay in L2 instead of travelling to

@@ -59,14 +59,31 @@ struct Output {
   int64_t row_stride = 0;
 };
 
+// Up to this many rows of A, B can be streamed unpacked (matrix-vector
+// products at memory speed) instead of packed and blocked.
+inline constexpr int64_t kMaxStreamedRows = 8;
+
+// Which of the two paths a call takes. Each computes every row of C from that
+// row of A alone, but the two sum in different orders (and the streamed one
+// never rounds A to bfloat16), so a caller that needs a row's result not to
+// depend on how many rows share its call picks the path itself: the expert
+// layer decides per expert, by the expert's rows in all, so that the same
+// tokens give the same outputs however they are split into segments and
+// tiles (one process or several).
+enum class RowPath : uint8_t {
+  kAuto,      // streamed when m <= kMaxStreamedRows and the layout allows it
+  kBlocked,   // always packed and blocked
+  kStreamed,  // streamed where the layout allows it (m <= kMaxStreamedRows)
+};
+
 // C[i, j] = (accumulate ? C[i, j] : 0) + sum_k A[i, k] * B[k, j] for i < m,
 // j < n, k < k_size, on the calling thread, with ActiveIsa()'s kernels (or
 // `isa`'s, which must not be wider than DetectIsa()). k_size may be 0 (C
 // becomes 0, or stays). C must not overlap A or B.
 void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
-          bool accumulate);
+          bool accumulate, RowPath path = RowPath::kAuto);
 void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
-          const Output& c, bool accumulate);
+          const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
 
 // The float32 value of one element (the conversions the packing uses).
 float ElementValue(const Operand& op, int64_t i, int64_t j);

@@ -11,6 +11,7 @@
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
+#include "experts/kernels/gemm.h"
 #include "experts/kernels/isa.h"
 #include "experts/registry.h"
 
@@ -488,6 +489,56 @@ TEST(GroupedKernels, EveryInstructionSetMatchesEager) {
       EXPECT_LT(RelErr(g16.x, g_ref.x), 3e-2) << what;
       EXPECT_LT(RelErr(g16.gate_up_proj, g_ref.gate_up_proj), 3e-2) << what;
       EXPECT_LT(RelErr(g16.down_proj, g_ref.down_proj), 3e-2) << what;
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// A token's output and input gradient do not depend on how its expert's rows
+// are cut into segments (one process, or one segment per source rank): the
+// grouped backend gives them bit for bit, for experts with few rows (the
+// streamed GEMM path) and with many (the blocked one), in float32 and
+// bfloat16, on every instruction set the CPU has.
+TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
+  using kernels::Isa;
+  // 16 experts, top-2 of 40 tokens, skewed: a few hot experts, many with a
+  // handful of rows.
+  const ExpertProblemShape shape{"mixed", 40, 72, 40, 16, 2, RoutingPattern::kSkewed};
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string what =
+          std::string(kernels::IsaName(isa)) + (dtype == at::kFloat ? " f32" : " bf16");
+      ExpertProblem p = MakeExpertProblem(shape, dtype, 9);
+      const int64_t num_experts = shape.num_experts;
+      bool few = false, many = false;
+      for (int64_t c : p.counts) {
+        few |= c > 1 && c <= kernels::kMaxStreamedRows;
+        many |= c > kernels::kMaxStreamedRows;
+      }
+      ASSERT_TRUE(few && many) << "the problem must exercise both paths";
+      // Each expert's rows split in two segments, as two source ranks send them.
+      std::vector<int64_t> begin(num_experts, 0), seg_counts(2 * num_experts), perm;
+      for (int64_t e = 1; e < num_experts; ++e) begin[e] = begin[e - 1] + p.counts[e - 1];
+      for (int half = 0; half < 2; ++half) {
+        for (int64_t e = 0; e < num_experts; ++e) {
+          const int64_t first = (p.counts[e] + 1) / 2;
+          const int64_t from = half == 0 ? 0 : first, n = half == 0 ? first : p.counts[e] - first;
+          seg_counts[half * num_experts + e] = n;
+          for (int64_t r = 0; r < n; ++r) perm.push_back(begin[e] + from + r);
+        }
+      }
+      at::Tensor idx = at::tensor(perm, at::kLong);
+      auto fast = Backend("grouped");
+      at::Tensor act, act_seg;
+      at::Tensor y = fast->Forward(p.x, p.counts, Weights(p), &act);
+      at::Tensor y_seg = fast->Forward(p.x.index_select(0, idx), seg_counts, Weights(p), &act_seg);
+      EXPECT_TRUE(at::equal(y_seg, y.index_select(0, idx))) << what;
+      ExpertGrads g = fast->Backward(p.grad_y, p.x, p.counts, Weights(p), act);
+      ExpertGrads g_seg = fast->Backward(p.grad_y.index_select(0, idx), p.x.index_select(0, idx),
+                                         seg_counts, Weights(p), act_seg);
+      EXPECT_TRUE(at::equal(g_seg.x, g.x.index_select(0, idx))) << what;
     }
   }
   kernels::LimitIsa(kernels::DetectIsa());

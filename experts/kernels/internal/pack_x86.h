@@ -309,6 +309,7 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
 // SmallRows for up to 8 rows, with the register blocking of 4 or of 8.
 inline bool SmallRowsUpTo8(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                            const Output& c, bool accumulate) {
+  static_assert(kMaxStreamedRows == 8);
   return m <= 4 ? SmallRows<4>(m, n, k_size, a, b, c, accumulate)
                 : SmallRows<8>(m, n, k_size, a, b, c, accumulate);
 }

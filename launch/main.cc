@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_replace.h"
+#include "experts/kernels/isa.h"
 #include "experts/registry.h"
 #include "framework/families/family.h"
 #include "google/protobuf/text_format.h"
@@ -125,7 +126,9 @@ std::string Usage() {
          "      processes (parallel.ep_size, parallel.dispatcher: " +
          absl::StrJoin(parallel::DispatcherNames(), ", ") +
          ").\n"
-         "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process.\n"
+         "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process;\n"
+         "      MOEFIT_CPU_ISA (portable, avx2, avx512, avx512_bf16) caps the instruction set\n"
+         "      of the expert kernels (default: the widest this CPU has).\n"
          "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan).\n";
 }
 
@@ -306,6 +309,12 @@ int PlanCommand(const Args& args) {
 int Main(int argc, char** argv) {
   if (const char* t = std::getenv("MOEFIT_NUM_THREADS"); t != nullptr && std::atoi(t) > 0) {
     at::set_num_threads(std::atoi(t));
+  }
+  try {
+    experts::kernels::ActiveIsa();  // a bad MOEFIT_CPU_ISA is bad input
+  } catch (const c10::Error& e) {
+    std::cerr << "moefit: " << e.what_without_backtrace() << std::endl;
+    return kExitBadInput;
   }
   if (argc < 2) {
     std::cerr << Usage();

@@ -54,6 +54,22 @@ class FusedAdamW {
   std::vector<std::vector<State>> state_;
   AdamWHyper hyper_;
   bool fused_;
+
+ public:
+  // Checkpointing: the parameters by group, and the state of groups()[g].params[i]
+  // (m and v undefined until its first step), read and replaced as they are.
+  struct TensorState {
+    at::Tensor m, v;
+    int64_t step = 0;
+  };
+  const std::vector<Group>& groups() const { return groups_; }
+  TensorState tensor_state(size_t g, size_t i) const {
+    const State& s = state_[g][i];
+    return {s.m, s.v, s.step};
+  }
+  void set_tensor_state(size_t g, size_t i, TensorState t) {
+    state_[g][i] = {std::move(t.m), std::move(t.v), t.step};
+  }
 };
 
 // Sum over `tensors` of the squared entries, accumulated in double: one pass

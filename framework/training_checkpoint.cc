@@ -10,10 +10,12 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <string_view>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -155,8 +157,22 @@ std::vector<std::pair<std::string, at::Generator>> Generators(const MoeModel& mo
   return out;
 }
 
+// Fault injection for the crash tests (tests/framework/checkpoint_kill.sh):
+// MOEFIT_CHECKPOINT_KILL="POINT:RANK:STEP" makes world rank RANK kill itself
+// with SIGKILL at POINT of the save after step STEP. Points: before_files
+// (the temporary directory exists, nothing written), after_first_file (this
+// rank's first file is written, its others are not), before_publish (rank 0:
+// every file and the manifest written, the directory not yet renamed).
+void MaybeKill(std::string_view point, int rank, int64_t step) {
+  static const char* spec = std::getenv("MOEFIT_CHECKPOINT_KILL");
+  if (spec == nullptr) return;
+  if (std::string(spec) == absl::StrCat(std::string(point), ":", rank, ":", step)) {
+    std::raise(SIGKILL);
+  }
+}
+
 // This rank's files, written into `dir`.
-absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir,
+absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir, int64_t steps_done,
                             std::vector<proto::CheckpointFile>* files) {
   MoeModel& model = trainer.model();
   const parallel::ProcessGroups& groups = trainer.groups();
@@ -187,6 +203,7 @@ absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir,
     }
     MOEFIT_ASSIGN_OR_RETURN(proto::CheckpointFile f, dense.Finish());
     files->push_back(std::move(f));
+    MaybeKill("after_first_file", rank, steps_done);
   }
   if (groups.ep_group_idx == 0) {
     // The first copy of the experts; replicas hold the same numbers.
@@ -199,6 +216,7 @@ absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir,
     }
     MOEFIT_ASSIGN_OR_RETURN(proto::CheckpointFile f, experts.Finish());
     files->push_back(std::move(f));
+    if (rank != 0) MaybeKill("after_first_file", rank, steps_done);
   }
   FileBuilder rng(dir, RngFile(rank), rank);
   for (auto& [device, gen] : Generators(model)) {
@@ -272,6 +290,7 @@ absl::Status Publish(Trainer& trainer, int64_t steps_done, const CheckpointingOp
   m.set_total_steps(trainer.options().steps);
   m.set_end_of_manifest(true);
   MOEFIT_RETURN_IF_ERROR(checkpoint::WriteManifest(partial, m));
+  MaybeKill("before_publish", 0, steps_done);
   MOEFIT_RETURN_IF_ERROR(PublishDirectory(partial, final_dir));
   if (options.keep_last > 0) {
     auto all = checkpoint::ListCheckpoints(options.save_dir);
@@ -513,8 +532,9 @@ absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
                                             " was not saved: another rank failed"));
   };
   if (AnyRankFailed(world, !status.ok())) return status.ok() ? failed_elsewhere() : status;
+  MaybeKill("before_files", world.rank(), steps_done);
   std::vector<proto::CheckpointFile> mine;
-  status = WriteRankFiles(trainer, partial, &mine);
+  status = WriteRankFiles(trainer, partial, steps_done, &mine);
   if (AnyRankFailed(world, !status.ok())) return status.ok() ? failed_elsewhere() : status;
   std::vector<proto::CheckpointFile> all = GatherFiles(world, mine);
   if (world.rank() == 0) status = Publish(trainer, steps_done, options, all, partial, final_dir);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/training_manifest.h"
 #include "checkpoint/weight_loader.h"
 #include "framework/hf_io.h"
 #include "launch/config.h"
@@ -23,6 +24,12 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
                        std::shared_ptr<parallel::Communicator> world, std::ostream& log_in) {
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
+  if (std::filesystem::exists(std::filesystem::path(src) / checkpoint::kManifestName)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        src, " is a training checkpoint, which export does not read; resume it with "
+             "--set checkpoint.resume_from=", src, " and the run writes its model to "
+             "checkpoint.save_dir/final"));
+  }
   const std::filesystem::path config_path = std::filesystem::path(src) / "config.json";
   proto::Config config = DefaultConfig();
   config.mutable_model()->set_config_json(config_path.string());

@@ -76,6 +76,24 @@ uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b) {
   return static_cast<uint32_t>(crc32_combine64(crc_a, crc_b, static_cast<z_off64_t>(length_b)));
 }
 
+absl::Status CompleteFileEntry(const fs::path& dir, uint64_t data_bytes, uint32_t data_crc,
+                               proto::CheckpointFile* file) {
+  const fs::path path = dir / file->path();
+  std::error_code ec;
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec || size < data_bytes) {
+    return absl::InternalError(absl::StrCat("cannot stat ", path.string()));
+  }
+  const uint64_t header_bytes = size - data_bytes;
+  absl::StatusOr<uint32_t> header_crc = FileCrc(path, header_bytes);
+  if (!header_crc.ok()) return header_crc.status();
+  file->set_size_bytes(size);
+  file->set_header_bytes(header_bytes);
+  file->set_header_crc32(*header_crc);
+  file->set_crc32(Crc32Combine(*header_crc, data_crc, data_bytes));
+  return absl::OkStatus();
+}
+
 absl::Status WriteManifest(const fs::path& dir, const proto::TrainingCheckpointManifest& manifest) {
   std::string bytes;
   if (!manifest.SerializeToString(&bytes)) {

@@ -41,6 +41,13 @@ uint32_t Crc32(std::span<const std::byte> bytes, uint32_t crc = 0);
 // The CRC-32 of A followed by B, from the CRCs of A and B and B's length.
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t length_b);
 
+// Completes the entry of a safetensors file just written to dir/file->path()
+// whose data section (`data_bytes` long) has CRC `data_crc`: its size, and
+// the CRCs of its header and of the whole file (the header is read back; the
+// data is not read again).
+absl::Status CompleteFileEntry(const std::filesystem::path& dir, uint64_t data_bytes,
+                               uint32_t data_crc, proto::CheckpointFile* file);
+
 // Writes `manifest` to dir/manifest.binpb (through a fsynced temporary file).
 absl::Status WriteManifest(const std::filesystem::path& dir,
                            const proto::TrainingCheckpointManifest& manifest);

@@ -114,26 +114,7 @@ class FileBuilder {
   // with its size and checksums.
   absl::StatusOr<proto::CheckpointFile> Finish() {
     MOEFIT_RETURN_IF_ERROR(writer_.Finish());
-    const fs::path path = dir_ / file_.path();
-    std::error_code ec;
-    const uint64_t size = fs::file_size(path, ec);
-    if (ec || size < data_bytes_) {
-      return absl::InternalError(absl::StrCat("cannot stat ", path.string()));
-    }
-    const uint64_t header_bytes = size - data_bytes_;
-    std::string header(header_bytes, '\0');
-    {
-      std::FILE* f = std::fopen(path.c_str(), "rb");
-      const bool ok = f != nullptr && std::fread(header.data(), 1, header_bytes, f) == header_bytes;
-      if (f != nullptr) std::fclose(f);
-      if (!ok) return absl::InternalError(absl::StrCat("cannot read back ", path.string()));
-    }
-    const uint32_t header_crc =
-        Crc32({reinterpret_cast<const std::byte*>(header.data()), header.size()});
-    file_.set_size_bytes(size);
-    file_.set_header_bytes(header_bytes);
-    file_.set_header_crc32(header_crc);
-    file_.set_crc32(Crc32Combine(header_crc, data_crc_, data_bytes_));
+    MOEFIT_RETURN_IF_ERROR(checkpoint::CompleteFileEntry(dir_, data_bytes_, data_crc_, &file_));
     return file_;
   }
 
@@ -230,35 +211,6 @@ absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir, int64_t steps
   MOEFIT_ASSIGN_OR_RETURN(proto::CheckpointFile f, rng.Finish());
   files->push_back(std::move(f));
   return absl::OkStatus();
-}
-
-// Every rank's file entries, on every rank (a byte all-gather of the
-// serialized entries).
-std::vector<proto::CheckpointFile> GatherFiles(parallel::Communicator& world,
-                                               const std::vector<proto::CheckpointFile>& mine) {
-  proto::TrainingCheckpointManifest part;
-  for (const proto::CheckpointFile& f : mine) *part.add_files() = f;
-  const std::string bytes = part.SerializeAsString();
-  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
-  at::Tensor sizes = at::empty({world.size()}, at::kLong);
-  world.AllGather(size, sizes)->WaitOrThrow();
-  std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + world.size());
-  int64_t total = 0;
-  for (int64_t c : counts) total += c;
-  at::Tensor send = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
-  std::memcpy(send.data_ptr(), bytes.data(), bytes.size());
-  at::Tensor recv = at::empty({total}, at::kByte);
-  world.AllGatherV(send, recv, counts)->WaitOrThrow();
-  std::vector<proto::CheckpointFile> all;
-  int64_t offset = 0;
-  for (int64_t c : counts) {
-    proto::TrainingCheckpointManifest other;
-    other.ParseFromArray(static_cast<const char*>(recv.const_data_ptr()) + offset,
-                         static_cast<int>(c));
-    offset += c;
-    for (const proto::CheckpointFile& f : other.files()) all.push_back(f);
-  }
-  return all;
 }
 
 // Rank 0: the manifest into `partial`, then the directory published as
@@ -509,6 +461,33 @@ absl::Status CompareModel(const fs::path& dir, const proto::ModelConfig& saved,
 
 }  // namespace
 
+std::vector<proto::CheckpointFile> GatherCheckpointFiles(
+    parallel::Communicator& world, const std::vector<proto::CheckpointFile>& mine) {
+  proto::TrainingCheckpointManifest part;
+  for (const proto::CheckpointFile& f : mine) *part.add_files() = f;
+  const std::string bytes = part.SerializeAsString();
+  at::Tensor size = at::full({1}, static_cast<int64_t>(bytes.size()), at::kLong);
+  at::Tensor sizes = at::empty({world.size()}, at::kLong);
+  world.AllGather(size, sizes)->WaitOrThrow();
+  std::vector<int64_t> counts(sizes.data_ptr<int64_t>(), sizes.data_ptr<int64_t>() + world.size());
+  int64_t total = 0;
+  for (int64_t c : counts) total += c;
+  at::Tensor send = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(send.data_ptr(), bytes.data(), bytes.size());
+  at::Tensor recv = at::empty({total}, at::kByte);
+  world.AllGatherV(send, recv, counts)->WaitOrThrow();
+  std::vector<proto::CheckpointFile> all;
+  int64_t offset = 0;
+  for (int64_t c : counts) {
+    proto::TrainingCheckpointManifest other;
+    other.ParseFromArray(static_cast<const char*>(recv.const_data_ptr()) + offset,
+                         static_cast<int>(c));
+    offset += c;
+    for (const proto::CheckpointFile& f : other.files()) all.push_back(f);
+  }
+  return all;
+}
+
 absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
                                     const CheckpointingOptions& options) {
   parallel::Communicator& world = *trainer.groups().world;
@@ -536,7 +515,7 @@ absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
   std::vector<proto::CheckpointFile> mine;
   status = WriteRankFiles(trainer, partial, steps_done, &mine);
   if (AnyRankFailed(world, !status.ok())) return status.ok() ? failed_elsewhere() : status;
-  std::vector<proto::CheckpointFile> all = GatherFiles(world, mine);
+  std::vector<proto::CheckpointFile> all = GatherCheckpointFiles(world, mine);
   if (world.rank() == 0) status = Publish(trainer, steps_done, options, all, partial, final_dir);
   if (AnyRankFailed(world, !status.ok())) return status.ok() ? failed_elsewhere() : status;
   return absl::OkStatus();
@@ -583,8 +562,12 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
       if (slot == slots.end()) continue;
       FusedAdamW::TensorState s;
       if (reader.Find("exp_avg/" + p.name) != nullptr) {
-        s.m = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
-        s.v = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
+        // Into the optimizer's own buffers when it has them already.
+        s = optimizer.tensor_state(slot->second.first, slot->second.second);
+        if (!s.m.defined()) {
+          s.m = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
+          s.v = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
+        }
         MOEFIT_RETURN_IF_ERROR(ReadInto(reader, "exp_avg/" + p.name, s.m, p.expert, first).status());
         MOEFIT_RETURN_IF_ERROR(
             ReadInto(reader, "exp_avg_sq/" + p.name, s.v, p.expert, first).status());
@@ -596,21 +579,20 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
       MOEFIT_RETURN_IF_ERROR(ReadInto(reader, "buffer/" + b.name, b.tensor, false, 0).status());
     }
     const int rank = world.rank();
-    if (m.layout().world_size() == world.size()) {
-      for (auto& [device, gen] : Generators(model)) {
-        const std::string name = "rng/" + device;
-        const std::vector<TensorRef>* refs = reader.Find(name);
-        const TensorRef* mine = nullptr;
-        for (size_t i = 0; refs != nullptr && i < refs->size(); ++i) {
-          if ((*refs)[i].file->written_by_rank() == rank) mine = &(*refs)[i];
-        }
-        if (mine == nullptr) {
-          return absl::NotFoundError(absl::StrCat("the checkpoint ", dir.string(), " lacks ",
-                                                  RngFile(rank), " (", name, ")"));
-        }
-        MOEFIT_ASSIGN_OR_RETURN(auto bytes, reader.Rows(*mine, 0, 0));
-        std::vector<int64_t> shape(mine->tensor->shape().begin(), mine->tensor->shape().end());
-        MOEFIT_ASSIGN_OR_RETURN(at::Tensor state, View(*mine->tensor, bytes, shape));
+    // This rank's generator states: restored when the checkpoint has them for
+    // this very layout (a checkpoint resharded offline has none).
+    std::vector<std::pair<at::Generator, const TensorRef*>> states;
+    for (auto& [device, gen] : Generators(model)) {
+      const std::vector<TensorRef>* refs = reader.Find("rng/" + device);
+      for (size_t i = 0; refs != nullptr && i < refs->size(); ++i) {
+        if ((*refs)[i].file->written_by_rank() == rank) states.emplace_back(gen, &(*refs)[i]);
+      }
+    }
+    if (m.layout().world_size() == world.size() && !states.empty()) {
+      for (auto& [gen, ref] : states) {
+        MOEFIT_ASSIGN_OR_RETURN(auto bytes, reader.Rows(*ref, 0, 0));
+        std::vector<int64_t> shape(ref->tensor->shape().begin(), ref->tensor->shape().end());
+        MOEFIT_ASSIGN_OR_RETURN(at::Tensor state, View(*ref->tensor, bytes, shape));
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(state.clone());
       }

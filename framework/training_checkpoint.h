@@ -38,11 +38,14 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "framework/trainer.h"
+#include "parallel/communicator.h"
 #include "proto/config.pb.h"
+#include "proto/training_checkpoint.pb.h"
 
 namespace moefit::framework {
 
@@ -72,6 +75,11 @@ absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
 // global batch. Collective; returns the step to continue from.
 absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const std::filesystem::path& dir,
                                                const proto::ModelConfig* model_config = nullptr);
+
+// Collective: every rank's file entries, on every rank, in rank order (a
+// byte all-gather of the serialized entries).
+std::vector<proto::CheckpointFile> GatherCheckpointFiles(
+    parallel::Communicator& world, const std::vector<proto::CheckpointFile>& mine);
 
 // checkpoint.resume_from: a directory, or "latest" (the newest complete
 // checkpoint in save_dir).

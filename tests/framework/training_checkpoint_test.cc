@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -113,6 +114,14 @@ fs::path FreshDir(const std::string& name) {
   return dir;
 }
 
+// The names of the directories in `dir`, sorted.
+std::vector<std::string> Listing(const fs::path& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 class Resume : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Resume, StoppedAndResumedEqualsUninterruptedBitwise) {
@@ -189,16 +198,38 @@ TEST(TrainingCheckpoint, KeepsTheLastKAndFindsTheLatest) {
   Checkpointer checkpointer(trainer, o, std::cerr);
   std::ostringstream log;
   ASSERT_TRUE(trainer.Run(log, {}, checkpointer.Hook()).ok());
-  std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir)) names.push_back(e.path().filename().string());
-  std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
+  EXPECT_EQ(Listing(dir), (std::vector<std::string>{"step-00000004", "step-00000005"}));
   // An incomplete directory (no manifest) is never "latest".
   fs::create_directories(dir / "step-00000009");
   auto latest = ResolveResumeDir("latest", dir.string());
   ASSERT_TRUE(latest.ok()) << latest.status();
   EXPECT_EQ(latest->filename(), "step-00000005");
   EXPECT_FALSE(ResolveResumeDir("latest", (dir / "none").string()).ok());
+}
+
+TEST(TrainingCheckpoint, SavesByTimeAndAfterTheLastStep) {
+  const launch::RunConfig run = MakeRun("fp32", {"train.steps=3"});
+  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+  ASSERT_TRUE(data.ok());
+  for (const double minutes : {1e-9, 60.0}) {
+    const fs::path dir = FreshDir("time");
+    auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
+    ASSERT_TRUE(model.ok());
+    Trainer trainer(**model, *data, run.train);
+    CheckpointingOptions o = Options(run, dir);
+    o.save_every_minutes = minutes;
+    Checkpointer checkpointer(trainer, o, std::cerr);
+    std::ostringstream log;
+    ASSERT_TRUE(trainer.Run(log, {}, checkpointer.Hook()).ok());
+    EXPECT_EQ(checkpointer.last_saved_step(), 3);
+    EXPECT_FALSE(checkpointer.stopped());
+    if (minutes < 1) {  // due after every step
+      EXPECT_EQ(Listing(dir),
+                (std::vector<std::string>{"step-00000001", "step-00000002", "step-00000003"}));
+    } else {  // never due: only the final checkpoint
+      EXPECT_EQ(Listing(dir), (std::vector<std::string>{"step-00000003"}));
+    }
+  }
 }
 
 // Load errors, each on a copy of one saved checkpoint.
@@ -280,6 +311,16 @@ TEST_F(LoadErrors, TruncatedManifestIsNamed) {
   const absl::Status s = Load(dir);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("manifest.binpb"), std::string::npos) << s;
+}
+
+TEST_F(LoadErrors, ManifestCutAtAFieldBoundaryIsNamed) {
+  // Without its last field (the end mark, 2 bytes) the rest still parses.
+  const fs::path dir = Copy("cut");
+  const fs::path manifest = dir / checkpoint::kManifestName;
+  fs::resize_file(manifest, fs::file_size(manifest) - 2);
+  const absl::Status s = Load(dir);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("manifest.binpb is truncated"), std::string::npos) << s;
 }
 
 TEST_F(LoadErrors, OtherFormatVersionIsRefused) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/training_manifest.h"
 #include "framework/adapter_io.h"
 #include "framework/data.h"
 #include "framework/hf_io.h"
@@ -129,6 +130,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   std::filesystem::path resume_dir;
   if (!run.resume_from.empty()) {
     MOEFIT_ASSIGN_OR_RETURN(resume_dir, framework::ResolveResumeDir(run.resume_from, run.save_dir));
+    // A missing or unreadable manifest stops the run before the model is built.
+    MOEFIT_RETURN_IF_ERROR(checkpoint::ReadManifest(resume_dir).status());
     train_run.weights_from_checkpoint = !run.runtime.lora.enabled();
   }
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(train_run, world, log));

@@ -9,7 +9,8 @@
 // within 1e-5 relative of the reference over the 5 steps after the resume,
 // balance loss on. Finally a reshard round trip: the checkpoint loaded at the
 // world size, saved, loaded at 2 and saved again holds every expert tensor and
-// AdamW moment of the original bit for bit.
+// AdamW moment of the original bit for bit; and `moefit reshard` offline
+// writes the same expert files as the world-size save, and resumes alike.
 //
 // The global batch is 12 sequences at every size (micro-batch 12 / ranks).
 // AdamW's eps is 1e-4 for the reason given in ep_training_test.cc: at another
@@ -33,6 +34,7 @@
 #include "framework/training_checkpoint.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "launch/reshard_command.h"
 #include "parallel/local_communicator.h"
 #include "parallel/process_groups.h"
 #include "tests/framework/test_configs.h"
@@ -207,6 +209,36 @@ TEST(TrainingCheckpointMpi, SaveAtTwoResumeAtTwoWorldAndOne) {
     // gate_up and down of 2 layers, each with 2 moments, in both files.
     EXPECT_EQ(compared, 2 * 2 * 3 * 2);
   }
+  world->Barrier()->WaitOrThrow();
+
+  // Offline: `moefit reshard` of the 2-rank checkpoint to the world size
+  // writes the expert files the world-size run saved, and resuming from it
+  // gives bitwise the losses of resuming from the original at that size.
+  const fs::path offline = root / "offline";
+  std::ostringstream log;
+  ASSERT_TRUE(launch::RunReshard(ckpt.string(), offline.string(), world->size(), world, log).ok());
+  auto offline_manifest = checkpoint::ReadManifest(offline);
+  ASSERT_TRUE(offline_manifest.ok()) << offline_manifest.status();
+  EXPECT_EQ(offline_manifest->layout().ep_size(), world->size());
+  const std::string online = (resharded / checkpoint::StepDirName(kStopAt)).string();
+  {  // each rank compares the file of its own experts
+    const std::string name = "experts-0000" + std::to_string(rank) + "-of-0000" +
+                             std::to_string(world->size()) + ".safetensors";
+    auto a = checkpoint::SafetensorsFile::Open(fs::path(online) / name);
+    auto b = checkpoint::SafetensorsFile::Open(offline / name);
+    ASSERT_TRUE(a.ok() && b.ok()) << name;
+    ASSERT_EQ(a->num_tensors(), b->num_tensors());
+    for (const auto& info : a->tensors()) {
+      const auto* other = b->Find(info.name);
+      ASSERT_NE(other, nullptr) << info.name;
+      const auto x = a->TensorBytes(info), y = b->TensorBytes(*other);
+      ASSERT_EQ(x.size(), y.size()) << info.name;
+      EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size()), 0) << name << ": " << info.name;
+    }
+  }
+  const std::vector<double> from_offline = Train(world, {.resume = offline});
+  ASSERT_EQ(from_offline.size(), at_world.size());
+  for (size_t s = 0; s < at_world.size(); ++s) EXPECT_EQ(from_offline[s], at_world[s]);
   world->Barrier()->WaitOrThrow();
 }
 

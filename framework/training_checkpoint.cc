@@ -3,15 +3,20 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/Generator.h>
+#include <fcntl.h>
 #include <google/protobuf/util/message_differencer.h>
 #include <torch/csrc/autograd/grad_mode.h>
+#include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <future>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -69,8 +74,22 @@ std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> OptimizerSlots(
   return slots;
 }
 
+// The CRC-32 of each of `num_rows` equal rows of `bytes`, rows in parallel.
+std::vector<uint32_t> RowCrcs(std::span<const std::byte> bytes, int64_t num_rows) {
+  const size_t row = bytes.size() / static_cast<size_t>(num_rows);
+  std::vector<uint32_t> crcs(static_cast<size_t>(num_rows));
+  at::parallel_for(0, num_rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t x = begin; x < end; ++x) {
+      crcs[static_cast<size_t>(x)] = Crc32(bytes.subspan(static_cast<size_t>(x) * row, row));
+    }
+  });
+  return crcs;
+}
+
 // One safetensors file being assembled by this rank, with the manifest entry
-// that describes it.
+// that describes it. The checksums are computed while the file is written (on
+// another thread, over the same memory), so that they cost no time of their
+// own when writing is the slower of the two.
 class FileBuilder {
  public:
   FileBuilder(const fs::path& dir, std::string name, int rank)
@@ -90,41 +109,81 @@ class FileBuilder {
     e->set_dtype(std::string(checkpoint::DtypeName(dtype)));
     for (int64_t d : cpu.sizes()) e->add_shape(d);
     e->set_adam_step(adam_step);
-    const std::span<const std::byte> bytes = Bytes(cpu);
     if (num_experts > 0) {
       e->set_expert_begin(expert_begin);
       e->set_expert_end(expert_begin + num_experts);
-      const size_t row = bytes.size() / static_cast<size_t>(num_experts);
-      uint32_t crc = 0;
-      for (int64_t x = 0; x < num_experts; ++x) {
-        const uint32_t c = Crc32(bytes.subspan(static_cast<size_t>(x) * row, row));
-        e->add_expert_crc32(c);
-        crc = Crc32Combine(crc, c, row);
-      }
-      e->set_crc32(crc);
-    } else {
-      e->set_crc32(Crc32(bytes));
     }
-    data_crc_ = Crc32Combine(data_crc_, e->crc32(), bytes.size());
-    data_bytes_ += bytes.size();
+    pending_.push_back({cpu, num_experts});
+    data_bytes_ += cpu.nbytes();
     return checkpoint::AddTensor(writer_, name, cpu);
   }
 
   // Writes the file (fsynced, renamed into place) and completes the entry
   // with its size and checksums.
   absl::StatusOr<proto::CheckpointFile> Finish() {
-    MOEFIT_RETURN_IF_ERROR(writer_.Finish());
-    MOEFIT_RETURN_IF_ERROR(checkpoint::CompleteFileEntry(dir_, data_bytes_, data_crc_, &file_));
+    std::future<uint32_t> data_crc = std::async(std::launch::async, [this] {
+      uint32_t crc = 0;
+      for (int i = 0; i < file_.tensors_size(); ++i) {
+        const Pending& p = pending_[static_cast<size_t>(i)];
+        proto::CheckpointTensor* e = file_.mutable_tensors(i);
+        const std::span<const std::byte> bytes = Bytes(p.cpu);
+        if (p.num_experts > 0) {
+          const size_t row = bytes.size() / static_cast<size_t>(p.num_experts);
+          uint32_t tensor_crc = 0;
+          for (const uint32_t c : RowCrcs(bytes, p.num_experts)) {
+            e->add_expert_crc32(c);
+            tensor_crc = Crc32Combine(tensor_crc, c, row);
+          }
+          e->set_crc32(tensor_crc);
+        } else {
+          e->set_crc32(Crc32(bytes));
+        }
+        crc = Crc32Combine(crc, e->crc32(), bytes.size());
+      }
+      return crc;
+    });
+    const absl::Status written = writer_.Finish();
+    const uint32_t crc = data_crc.get();
+    pending_.clear();
+    MOEFIT_RETURN_IF_ERROR(written);
+    MOEFIT_RETURN_IF_ERROR(checkpoint::CompleteFileEntry(dir_, data_bytes_, crc, &file_));
     return file_;
   }
 
  private:
+  struct Pending {
+    at::Tensor cpu;  // what is written, held until its checksum is taken
+    int64_t num_experts;
+  };
   fs::path dir_;
   checkpoint::SafetensorsWriter writer_;
   proto::CheckpointFile file_;
-  uint32_t data_crc_ = 0;
+  std::vector<Pending> pending_;
   uint64_t data_bytes_ = 0;
 };
+
+// Reads `bytes.size()` bytes at `offset` of `path` into `bytes`.
+absl::Status PreadAll(const fs::path& path, uint64_t offset, std::span<std::byte> bytes) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return absl::NotFoundError(
+        absl::StrCat("cannot open checkpoint file ", path.string(), ": ", std::strerror(errno)));
+  }
+  size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done,
+                              static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  if (done != bytes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint file ", path.string(), " is shorter than its header says"));
+  }
+  return absl::OkStatus();
+}
 
 // The generators this rank draws from: the CPU's, and the dense device's.
 std::vector<std::pair<std::string, at::Generator>> Generators(const MoeModel& model) {
@@ -282,10 +341,11 @@ class CheckpointReader {
     return it == refs_.end() ? nullptr : &it->second;
   }
 
-  // The bytes of rows [row_begin, row_end) of the tensor (all of it for
-  // non-expert tensors: 0, 0), checked.
-  absl::StatusOr<std::span<const std::byte>> Rows(const TensorRef& ref, int64_t row_begin,
-                                                  int64_t row_end) {
+  // Reads rows [row_begin, row_end) of the tensor (all of it for non-expert
+  // tensors: 0, 0) into `dst` (CPU, contiguous, exactly their size) with
+  // pread, then checks their checksums. Only those bytes of the file are read.
+  absl::Status ReadRows(const TensorRef& ref, int64_t row_begin, int64_t row_end,
+                        const at::Tensor& dst) {
     MOEFIT_ASSIGN_OR_RETURN(const checkpoint::SafetensorsFile* file, Open(*ref.file));
     const fs::path path = dir_ / ref.file->path();
     const checkpoint::TensorInfo* info = file->Find(ref.tensor->name());
@@ -294,7 +354,6 @@ class CheckpointReader {
                                                      " lacks tensor ", ref.tensor->name(),
                                                      " listed in its manifest"));
     }
-    std::span<const std::byte> bytes = file->TensorBytes(*info);
     if (std::string(checkpoint::DtypeName(info->dtype)) != ref.tensor->dtype() ||
         !std::equal(info->shape.begin(), info->shape.end(), ref.tensor->shape().begin(),
                     ref.tensor->shape().end())) {
@@ -303,21 +362,35 @@ class CheckpointReader {
                                                      " differs from its manifest entry"));
     }
     const int64_t num_experts = ref.tensor->expert_end() - ref.tensor->expert_begin();
-    if (num_experts <= 0) {
-      if (Crc32(bytes) != ref.tensor->crc32()) return Mismatch(path, ref.tensor->name());
-      return bytes;
+    const bool whole = num_experts <= 0;
+    const size_t row = whole ? info->num_bytes() : info->num_bytes() / num_experts;
+    const int64_t rows = whole ? 1 : row_end - row_begin;
+    const uint64_t first_byte = whole ? 0 : static_cast<uint64_t>(row_begin) * row;
+    std::span<std::byte> out(static_cast<std::byte*>(dst.data_ptr()), dst.nbytes());
+    if (out.size() != row * static_cast<size_t>(rows)) {
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(),
+                                                     ": tensor ", ref.tensor->name(),
+                                                     " has the wrong size"));
     }
-    const size_t row = bytes.size() / static_cast<size_t>(num_experts);
-    for (int64_t x = row_begin; x < row_end; ++x) {
-      const auto rows = bytes.subspan(static_cast<size_t>(x) * row, row);
-      if (ref.tensor->expert_crc32_size() != num_experts ||
-          Crc32(rows) != ref.tensor->expert_crc32(static_cast<int>(x))) {
+    // The data section starts right after the header the manifest checked.
+    MOEFIT_RETURN_IF_ERROR(
+        PreadAll(path, ref.file->header_bytes() + info->begin + first_byte, out));
+    if (whole) {
+      if (Crc32(out) != ref.tensor->crc32()) return Mismatch(path, ref.tensor->name());
+      return absl::OkStatus();
+    }
+    if (ref.tensor->expert_crc32_size() != num_experts) {
+      return Mismatch(path, ref.tensor->name());
+    }
+    const std::vector<uint32_t> crcs = RowCrcs(out, rows);
+    for (int64_t x = 0; x < rows; ++x) {
+      if (crcs[static_cast<size_t>(x)] !=
+          ref.tensor->expert_crc32(static_cast<int>(row_begin + x))) {
         return Mismatch(path, absl::StrCat(ref.tensor->name(), " (expert ",
-                                           ref.tensor->expert_begin() + x, ")"));
+                                           ref.tensor->expert_begin() + row_begin + x, ")"));
       }
     }
-    return bytes.subspan(static_cast<size_t>(row_begin) * row,
-                         static_cast<size_t>(row_end - row_begin) * row);
+    return absl::OkStatus();
   }
 
  private:
@@ -345,24 +418,6 @@ class CheckpointReader {
   std::map<std::string, checkpoint::SafetensorsFile> open_;
 };
 
-// A tensor of the manifest's dtype and `shape` viewing `bytes` (read only).
-absl::StatusOr<at::Tensor> View(const proto::CheckpointTensor& entry,
-                                std::span<const std::byte> bytes, std::vector<int64_t> shape) {
-  std::optional<checkpoint::Dtype> dtype = checkpoint::DtypeFromName(entry.dtype());
-  std::optional<at::ScalarType> type = dtype ? checkpoint::ToScalarType(*dtype) : std::nullopt;
-  if (!type) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", entry.name(), " has an unusable dtype ", entry.dtype()));
-  }
-  at::Tensor t = at::from_blob(const_cast<std::byte*>(bytes.data()), shape,
-                               at::TensorOptions().dtype(*type));
-  if (static_cast<size_t>(t.nbytes()) != bytes.size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", entry.name(), " has the wrong size in the checkpoint"));
-  }
-  return t;
-}
-
 absl::Status CheckDtype(const proto::CheckpointTensor& entry, const at::Tensor& target) {
   MOEFIT_ASSIGN_OR_RETURN(checkpoint::Dtype want, checkpoint::ToDtype(target.scalar_type()));
   if (entry.dtype() != checkpoint::DtypeName(want)) {
@@ -371,6 +426,19 @@ absl::Status CheckDtype(const proto::CheckpointTensor& entry, const at::Tensor& 
                      std::string(checkpoint::DtypeName(want)), " in this run (experts.dtype or train.mode "
                      "differ from the saved run)"));
   }
+  return absl::OkStatus();
+}
+
+// Reads rows of `ref` into `target` (same dtype, checked before): straight
+// into its memory when it is contiguous on the CPU, else through a CPU copy.
+absl::Status ReadRowsInto(CheckpointReader& reader, const TensorRef& ref, int64_t row_begin,
+                          int64_t row_end, const at::Tensor& target) {
+  if (target.device().is_cpu() && target.is_contiguous()) {
+    return reader.ReadRows(ref, row_begin, row_end, target);
+  }
+  at::Tensor staging = at::empty(target.sizes(), target.options().device(at::kCPU));
+  MOEFIT_RETURN_IF_ERROR(reader.ReadRows(ref, row_begin, row_end, staging));
+  target.copy_(staging);
   return absl::OkStatus();
 }
 
@@ -394,9 +462,7 @@ absl::StatusOr<int64_t> ReadInto(CheckpointReader& reader, const std::string& na
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name,
                                                      " has another shape in the checkpoint"));
     }
-    MOEFIT_ASSIGN_OR_RETURN(auto bytes, reader.Rows(ref, 0, 0));
-    MOEFIT_ASSIGN_OR_RETURN(at::Tensor src, View(*ref.tensor, bytes, shape));
-    target.copy_(src);
+    MOEFIT_RETURN_IF_ERROR(ReadRowsInto(reader, ref, 0, 0, target));
     return ref.tensor->adam_step();
   }
   const int64_t end = first + target.size(0);
@@ -412,11 +478,9 @@ absl::StatusOr<int64_t> ReadInto(CheckpointReader& reader, const std::string& na
       return absl::InvalidArgumentError(absl::StrCat("tensor ", name,
                                                      " has another shape in the checkpoint"));
     }
-    MOEFIT_ASSIGN_OR_RETURN(auto bytes, reader.Rows(ref, b - ref.tensor->expert_begin(),
-                                                    e - ref.tensor->expert_begin()));
-    shape[0] = e - b;
-    MOEFIT_ASSIGN_OR_RETURN(at::Tensor src, View(*ref.tensor, bytes, shape));
-    target.narrow(0, b - first, e - b).copy_(src);
+    MOEFIT_RETURN_IF_ERROR(ReadRowsInto(reader, ref, b - ref.tensor->expert_begin(),
+                                        e - ref.tensor->expert_begin(),
+                                        target.narrow(0, b - first, e - b)));
     covered += e - b;
     if (step && *step != ref.tensor->adam_step()) {
       return absl::InvalidArgumentError(
@@ -590,11 +654,15 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
     }
     if (m.layout().world_size() == world.size() && !states.empty()) {
       for (auto& [gen, ref] : states) {
-        MOEFIT_ASSIGN_OR_RETURN(auto bytes, reader.Rows(*ref, 0, 0));
         std::vector<int64_t> shape(ref->tensor->shape().begin(), ref->tensor->shape().end());
-        MOEFIT_ASSIGN_OR_RETURN(at::Tensor state, View(*ref->tensor, bytes, shape));
+        at::Tensor state = at::empty(shape, at::kByte);
+        if (ref->tensor->dtype() != "U8") {
+          return absl::InvalidArgumentError(
+              absl::StrCat("generator state ", ref->tensor->name(), " is not U8"));
+        }
+        MOEFIT_RETURN_IF_ERROR(reader.ReadRows(*ref, 0, 0, state));
         std::lock_guard<std::mutex> lock(gen.mutex());
-        gen.set_state(state.clone());
+        gen.set_state(state);
       }
     } else {
       // Streams cannot follow the ranks to another layout: a fresh one per

@@ -16,11 +16,15 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <condition_variable>
+#include <deque>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 
 #include "absl/strings/str_cat.h"
@@ -319,6 +323,54 @@ absl::Status Publish(Trainer& trainer, int64_t steps_done, const CheckpointingOp
   return absl::OkStatus();
 }
 
+// Runs checks one after another on a worker thread, in the order pushed, and
+// keeps the first failure (later checks are skipped once one failed).
+class CheckQueue {
+ public:
+  ~CheckQueue() { Finish().IgnoreError(); }
+
+  void Push(std::function<absl::Status()> check) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!worker_.joinable()) worker_ = std::thread([this] { Work(); });
+    pending_.push_back(std::move(check));
+    wake_.notify_one();
+  }
+
+  // Waits for every pushed check; the first failure, if any.
+  absl::Status Finish() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      closing_ = true;
+    }
+    wake_.notify_one();
+    if (worker_.joinable()) worker_.join();
+    closing_ = false;
+    return error_;
+  }
+
+ private:
+  void Work() {
+    for (;;) {
+      std::function<absl::Status()> check;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        wake_.wait(lock, [this] { return closing_ || !pending_.empty(); });
+        if (pending_.empty()) return;
+        check = std::move(pending_.front());
+        pending_.pop_front();
+      }
+      if (error_.ok()) error_ = check();  // error_ is the worker's until joined
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<std::function<absl::Status()>> pending_;
+  bool closing_ = false;
+  absl::Status error_;
+  std::thread worker_;
+};
+
 // The tensors of a manifest, by name; expert tensors have one entry per file.
 struct TensorRef {
   const proto::CheckpointFile* file;
@@ -343,9 +395,12 @@ class CheckpointReader {
 
   // Reads rows [row_begin, row_end) of the tensor (all of it for non-expert
   // tensors: 0, 0) into `dst` (CPU, contiguous, exactly their size) with
-  // pread, then checks their checksums. Only those bytes of the file are read.
+  // pread, and checks their checksums: at once, or with `deferred` on a worker
+  // thread while the next tensors are read (then `dst` must stay alive until
+  // FinishChecks, which reports the first mismatch). Only those bytes of the
+  // file are read.
   absl::Status ReadRows(const TensorRef& ref, int64_t row_begin, int64_t row_end,
-                        const at::Tensor& dst) {
+                        const at::Tensor& dst, bool deferred = false) {
     MOEFIT_ASSIGN_OR_RETURN(const checkpoint::SafetensorsFile* file, Open(*ref.file));
     const fs::path path = dir_ / ref.file->path();
     const checkpoint::TensorInfo* info = file->Find(ref.tensor->name());
@@ -375,23 +430,29 @@ class CheckpointReader {
     // The data section starts right after the header the manifest checked.
     MOEFIT_RETURN_IF_ERROR(
         PreadAll(path, ref.file->header_bytes() + info->begin + first_byte, out));
-    if (whole) {
-      if (Crc32(out) != ref.tensor->crc32()) return Mismatch(path, ref.tensor->name());
-      return absl::OkStatus();
-    }
-    if (ref.tensor->expert_crc32_size() != num_experts) {
-      return Mismatch(path, ref.tensor->name());
-    }
-    const std::vector<uint32_t> crcs = RowCrcs(out, rows);
-    for (int64_t x = 0; x < rows; ++x) {
-      if (crcs[static_cast<size_t>(x)] !=
-          ref.tensor->expert_crc32(static_cast<int>(row_begin + x))) {
-        return Mismatch(path, absl::StrCat(ref.tensor->name(), " (expert ",
-                                           ref.tensor->expert_begin() + row_begin + x, ")"));
+    const proto::CheckpointTensor* tensor = ref.tensor;
+    auto check = [=]() -> absl::Status {
+      if (whole) {
+        if (Crc32(out) != tensor->crc32()) return Mismatch(path, tensor->name());
+        return absl::OkStatus();
       }
-    }
+      if (tensor->expert_crc32_size() != num_experts) return Mismatch(path, tensor->name());
+      const std::vector<uint32_t> crcs = RowCrcs(out, rows);
+      for (int64_t x = 0; x < rows; ++x) {
+        if (crcs[static_cast<size_t>(x)] != tensor->expert_crc32(static_cast<int>(row_begin + x))) {
+          return Mismatch(path, absl::StrCat(tensor->name(), " (expert ",
+                                             tensor->expert_begin() + row_begin + x, ")"));
+        }
+      }
+      return absl::OkStatus();
+    };
+    if (!deferred) return check();
+    checks_.Push(std::move(check));
     return absl::OkStatus();
   }
+
+  // Waits for the deferred checks; the first mismatch, if any.
+  absl::Status FinishChecks() { return checks_.Finish(); }
 
  private:
   static absl::Status Mismatch(const fs::path& path, const std::string& what) {
@@ -416,6 +477,7 @@ class CheckpointReader {
   fs::path dir_;
   std::unordered_map<std::string, std::vector<TensorRef>> refs_;
   std::map<std::string, checkpoint::SafetensorsFile> open_;
+  CheckQueue checks_;
 };
 
 absl::Status CheckDtype(const proto::CheckpointTensor& entry, const at::Tensor& target) {
@@ -434,7 +496,9 @@ absl::Status CheckDtype(const proto::CheckpointTensor& entry, const at::Tensor& 
 absl::Status ReadRowsInto(CheckpointReader& reader, const TensorRef& ref, int64_t row_begin,
                           int64_t row_end, const at::Tensor& target) {
   if (target.device().is_cpu() && target.is_contiguous()) {
-    return reader.ReadRows(ref, row_begin, row_end, target);
+    // `target` is the model's or the optimizer's own memory: it outlives the
+    // load, so its check may run while the next tensors are read.
+    return reader.ReadRows(ref, row_begin, row_end, target, /*deferred=*/true);
   }
   at::Tensor staging = at::empty(target.sizes(), target.options().device(at::kCPU));
   MOEFIT_RETURN_IF_ERROR(reader.ReadRows(ref, row_begin, row_end, staging));
@@ -670,6 +734,7 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
       at::manual_seed(trainer.options().seed + static_cast<uint64_t>(rank) +
                       0x9E3779B97F4A7C15ull * static_cast<uint64_t>(m.step() + 1));
     }
+    MOEFIT_RETURN_IF_ERROR(reader.FinishChecks());
     model.SyncExpertCopies();
     trainer.set_first_step(m.step());
     return m.step();

@@ -285,6 +285,17 @@ TEST_F(LoadErrors, FlippedByteInAnExpertShardNamesTheFile) {
   EXPECT_NE(s.message().find("experts-00000-of-00001.safetensors"), std::string::npos) << s;
 }
 
+TEST_F(LoadErrors, FlippedByteInTheMiddleOfAShardNamesTheFile) {
+  // Early in the file: the loader reads on while checking, and still reports it.
+  const fs::path dir = Copy("flip_middle");
+  const fs::path shard = dir / "experts-00000-of-00001.safetensors";
+  FlipByte(shard, static_cast<int64_t>(fs::file_size(shard) / 2));
+  const absl::Status s = Load(dir);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("checksum mismatch"), std::string::npos) << s;
+  EXPECT_NE(s.message().find("experts-00000-of-00001.safetensors"), std::string::npos) << s;
+}
+
 TEST_F(LoadErrors, FlippedByteInADenseHeaderNamesTheFile) {
   const fs::path dir = Copy("flip_header");
   std::fstream f(dir / "dense.safetensors", std::ios::in | std::ios::out | std::ios::binary);

@@ -307,6 +307,15 @@ absl::Status Publish(Trainer& trainer, int64_t steps_done, const CheckpointingOp
   MOEFIT_RETURN_IF_ERROR(checkpoint::WriteManifest(partial, m));
   MaybeKill("before_publish", 0, steps_done);
   MOEFIT_RETURN_IF_ERROR(PublishDirectory(partial, final_dir));
+  // What interrupted saves and deletions left behind (hidden names only).
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(options.save_dir, ec)) {
+    const std::string n = e.path().filename().string();
+    if (n.starts_with(".step-") && (n.ends_with(".partial") || n.ends_with(".deleting"))) {
+      std::error_code ignored;
+      fs::remove_all(e.path(), ignored);
+    }
+  }
   if (options.keep_last > 0) {
     auto all = checkpoint::ListCheckpoints(options.save_dir);
     const int64_t excess = static_cast<int64_t>(all.size()) - options.keep_last;

@@ -37,6 +37,8 @@ for kill in before_files:1:4 after_first_file:1:4 before_publish:0:4; do
   diff <(extract "$dir/whole.jsonl" | tail -n 18) <(extract "$dir/$point.jsonl") \
     || fail "$kill: resumed losses differ"
   [ -d "$dir/$point/step-00000008" ] || fail "$kill: no final checkpoint"
+  leftovers=$(ls -A "$dir/$point" | grep '^\.' | tr '\n' ' ')
+  [ -z "$leftovers" ] || fail "$kill: left behind: $leftovers"
   echo "ok: killed at $kill, resumed from step 2, steps 3-8 equal"
 done
 rm -rf "$dir"

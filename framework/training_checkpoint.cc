@@ -757,6 +757,28 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
   return result;
 }
 
+absl::StatusOr<int64_t> LoadCheckpointWeights(MoeModel& model, int ep_rank,
+                                              const fs::path& dir) {
+  MOEFIT_ASSIGN_OR_RETURN(proto::TrainingCheckpointManifest m, checkpoint::ReadManifest(dir));
+  const std::string mode = model.runtime().lora.enabled() ? "lora" : "full";
+  if (m.mode() != mode) {
+    return absl::InvalidArgumentError(absl::StrCat("train.mode: the checkpoint ", dir.string(),
+                                                   " was saved in mode ", m.mode(),
+                                                   ", this model is ", mode));
+  }
+  CheckpointReader reader(dir, m);
+  const int64_t first = model.placement().first_expert(ep_rank);
+  for (const Parameter& p : model.trainable_parameters()) {
+    MOEFIT_RETURN_IF_ERROR(ReadInto(reader, "param/" + p.name, p.tensor, p.expert, first).status());
+  }
+  for (const Parameter& b : model.buffers()) {
+    MOEFIT_RETURN_IF_ERROR(ReadInto(reader, "buffer/" + b.name, b.tensor, false, 0).status());
+  }
+  MOEFIT_RETURN_IF_ERROR(reader.FinishChecks());
+  model.SyncExpertCopies();
+  return m.step();
+}
+
 absl::StatusOr<fs::path> ResolveResumeDir(const std::string& resume_from,
                                           const std::string& save_dir) {
   if (resume_from != "latest") return fs::path(resume_from);

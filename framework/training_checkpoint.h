@@ -81,6 +81,13 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const std::file
 std::vector<proto::CheckpointFile> GatherCheckpointFiles(
     parallel::Communicator& world, const std::vector<proto::CheckpointFile>& mine);
 
+// The trained tensors and buffers of checkpoint `dir` into `model` (whose
+// experts are those of expert-parallel rank `ep_rank`), without optimizer,
+// data or generator state: what exporting a checkpoint as a model needs.
+// Not collective. Returns the checkpoint's step.
+absl::StatusOr<int64_t> LoadCheckpointWeights(MoeModel& model, int ep_rank,
+                                              const std::filesystem::path& dir);
+
 // checkpoint.resume_from: a directory, or "latest" (the newest complete
 // checkpoint in save_dir).
 absl::StatusOr<std::filesystem::path> ResolveResumeDir(const std::string& resume_from,

@@ -3,7 +3,8 @@
 # run finishes its step, saves a checkpoint of it and exits 0; resuming from
 # "latest" then gives every step's loss and balance loss exactly as the
 # uninterrupted run (their metrics files compared line for line), and ends
-# with the final checkpoint and the model in save_dir/final.
+# with the final checkpoint and the model in save_dir/final, which `moefit
+# export` of that checkpoint reproduces file for file.
 # Usage: sigterm_resume.sh MOEFIT WORK_DIR
 set -u
 moefit=$1
@@ -41,6 +42,13 @@ echo "stopped at $saved"
 grep -q "resumed from .*$saved" "$dir/resume.log" || fail "did not resume from $saved"
 [ -d "$dir/ckpt/step-00000030" ] || fail "no final checkpoint"
 [ -f "$dir/ckpt/final/config.json" ] || fail "no final model in save_dir/final"
+
+# The last checkpoint exported is the final model, file for file.
+"$moefit" export "$dir/ckpt/step-00000030" "$dir/exported" > "$dir/export.log" 2>&1 \
+  || fail "export failed"
+for f in "$dir/ckpt/final"/*; do
+  cmp "$f" "$dir/exported/$(basename "$f")" || fail "exported $(basename "$f") differs"
+done
 
 extract() { grep -o '"step":[^,]*,\|"loss":[^,]*\|"aux_loss":[^,]*' "$1"; }
 [ "$(grep -c . "$dir/whole.jsonl")" = 30 ] || fail "uninterrupted metrics incomplete"

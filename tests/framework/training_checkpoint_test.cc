@@ -16,11 +16,14 @@
 
 #include "checkpoint/training_manifest.h"
 #include "framework/data.h"
+#include "framework/hf_io.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "framework/training_checkpoint.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "launch/export_command.h"
+#include "parallel/local_communicator.h"
 #include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
@@ -233,6 +236,30 @@ TEST(TrainingCheckpoint, SavesByTimeAndAfterTheLastStep) {
       EXPECT_EQ(Listing(dir), (std::vector<std::string>{"step-00000003"}));
     }
   }
+}
+
+TEST(TrainingCheckpoint, ExportWritesTheTrainedModel) {
+  const launch::RunConfig run = MakeRun("bf16");
+  const fs::path dir = FreshDir("export");
+  const Result trained = Train(run, dir);  // stopped after step 4, saved
+  const fs::path hf = FreshDir("export_hf");
+  std::ostringstream log;
+  const absl::Status s =
+      launch::RunExport((dir / checkpoint::StepDirName(kStopAt)).string(), hf.string(), {},
+                        parallel::LocalCommunicator::Create("world"), log);
+  ASSERT_TRUE(s.ok()) << s;
+  // Loaded back: the weights of step 4 (the bfloat16 experts' float32 masters
+  // are written as trained, in float32).
+  auto model = MoeModel::Create(run.model, run.runtime, run.train.seed, WeightInit::kUninitialized);
+  ASSERT_TRUE(model.ok());
+  ASSERT_TRUE(LoadPretrained(**model, hf.string()).ok());
+  int compared = 0;
+  for (const Parameter& p : (*model)->named_tensors()) {
+    ASSERT_TRUE(trained.tensors.count(p.name)) << p.name;
+    EXPECT_TRUE(at::equal(p.tensor, trained.tensors.at(p.name))) << p.name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(trained.tensors.size()));
 }
 
 // Load errors, each on a copy of one saved checkpoint.

@@ -5,12 +5,14 @@
 // to stop after step 5: both ranks must agree to stop and save. The
 // checkpoint is then resumed at 2 processes (bitwise the reference's
 // losses), at every rank of the world (3 or 4: experts 3+3+2 or 2+2+2+2, so
-// ranks read rows from both saved expert files) and at 1 process, each
+// ranks read rows from both saved expert files; at 4 also with ep_size 2,
+// two copies of the experts) and at 1 process, each
 // within 1e-5 relative of the reference over the 5 steps after the resume,
-// balance loss on. Finally a reshard round trip: the checkpoint loaded at the
-// world size, saved, loaded at 2 and saved again holds every expert tensor and
-// AdamW moment of the original bit for bit; and `moefit reshard` offline
-// writes the same expert files as the world-size save, and resumes alike.
+// balance loss on. Then reshard round trips: the checkpoint loaded at the
+// world size (at 4 also with ep_size 2, whose replica ranks save no experts),
+// saved, loaded at 2 and saved again holds every expert tensor and AdamW
+// moment of the original bit for bit; and `moefit reshard` offline writes the
+// same expert files as the world-size save, and resumes alike.
 //
 // The global batch is 12 sequences at every size (micro-batch 12 / ranks).
 // AdamW's eps is 1e-4 for the reason given in ep_training_test.cc: at another
@@ -64,11 +66,12 @@ struct Job {
   bool stop_here = false;     // this rank asks to stop after kStopAt
   fs::path resume;            // resume from it
   fs::path save_after_load;   // save the loaded state here without training
+  int ep_size = 0;            // parallel.ep_size (0 = the world)
 };
 
 std::vector<double> Train(std::shared_ptr<parallel::Communicator> world, const Job& job) {
   launch::RunConfig run = SmallRun(world->size());
-  auto groups = parallel::MakeProcessGroups(world, {.ep_size = 0});
+  auto groups = parallel::MakeProcessGroups(world, {.ep_size = job.ep_size});
   EXPECT_TRUE(groups.ok()) << groups.status();
   run.runtime.expert_group = groups->expert_parallel;
   auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
@@ -129,7 +132,7 @@ TEST(TrainingCheckpointMpi, SaveAtTwoResumeAtTwoWorldAndOne) {
     fs::create_directories(root);
   }
   world->Barrier()->WaitOrThrow();
-  const fs::path saved = root / "two", resharded = root / "world", back = root / "back";
+  const fs::path saved = root / "two";
   const fs::path ckpt = saved / checkpoint::StepDirName(kStopAt);
   auto two = world->Split(rank < 2 ? 0 : -1, rank, "two");
   ASSERT_TRUE(two.ok());
@@ -173,43 +176,71 @@ TEST(TrainingCheckpointMpi, SaveAtTwoResumeAtTwoWorldAndOne) {
   world->Broadcast(ref, 0)->WaitOrThrow();
   std::vector<double> ref_all(ref.data_ptr<double>(), ref.data_ptr<double>() + kSteps);
   ExpectClose(at_world, ref_all, "resumed at " + std::to_string(world->size()));
+  if (world->size() == 4) {
+    // Expert data parallelism: two copies of the experts, each over 2 ranks;
+    // only the first copy's ranks would save them, every rank reads its own.
+    ExpectClose(Train(world, {.resume = ckpt, .ep_size = 2}), ref_all,
+                "resumed at 4 with ep_size 2");
+  }
   if (rank == 0) {
     ExpectClose(Train(parallel::LocalCommunicator::Create(), {.resume = ckpt}), ref_all,
                 "resumed at 1");
   }
 
-  // Reshard round trip: 2 -> world -> 2, no training in between.
-  Train(world, {.resume = ckpt, .save_after_load = resharded});
-  world->Barrier()->WaitOrThrow();
-  if (rank < 2) {
-    Train(*two, {.resume = resharded / checkpoint::StepDirName(kStopAt),
-                 .save_after_load = back});
+  // Reshard round trips: 2 -> world -> 2, no training in between (at 4 ranks
+  // also through ep_size 2, where only the first copy's ranks save experts).
+  std::vector<int> ep_sizes = {0};
+  if (world->size() == 4) ep_sizes.push_back(2);
+  for (const int ep_size : ep_sizes) {
+    const fs::path there = root / ("there_ep" + std::to_string(ep_size));
+    const fs::path back_again = root / ("back_ep" + std::to_string(ep_size));
+    Train(world, {.resume = ckpt, .save_after_load = there, .ep_size = ep_size});
+    world->Barrier()->WaitOrThrow();
+    if (rank < 2) {
+      Train(*two, {.resume = there / checkpoint::StepDirName(kStopAt),
+                   .save_after_load = back_again});
+    }
+    world->Barrier()->WaitOrThrow();
+    if (rank == 0) {
+      auto there_manifest = checkpoint::ReadManifest(there / checkpoint::StepDirName(kStopAt));
+      ASSERT_TRUE(there_manifest.ok());
+      EXPECT_EQ(there_manifest->layout().ep_size(), ep_size == 0 ? world->size() : ep_size);
+      int compared = 0;
+      for (int r = 0; r < 2; ++r) {
+        const std::string name = "experts-0000" + std::to_string(r) + "-of-00002.safetensors";
+        auto a = checkpoint::SafetensorsFile::Open(ckpt / name);
+        auto b =
+            checkpoint::SafetensorsFile::Open(back_again / checkpoint::StepDirName(kStopAt) / name);
+        ASSERT_TRUE(a.ok() && b.ok());
+        ASSERT_EQ(a->num_tensors(), b->num_tensors());
+        for (const auto& info : a->tensors()) {
+          const auto* other = b->Find(info.name);
+          ASSERT_NE(other, nullptr) << info.name;
+          const auto x = a->TensorBytes(info), y = b->TensorBytes(*other);
+          ASSERT_EQ(x.size(), y.size()) << info.name;
+          EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size()), 0) << name << ": " << info.name;
+          ++compared;
+        }
+      }
+      // gate_up and down of 2 layers, each with 2 moments, in both files.
+      EXPECT_EQ(compared, 2 * 2 * 3 * 2) << "ep_size " << ep_size;
+    }
+    world->Barrier()->WaitOrThrow();
   }
-  world->Barrier()->WaitOrThrow();
-  if (rank == 0) {
-    auto resharded_manifest = checkpoint::ReadManifest(resharded / checkpoint::StepDirName(kStopAt));
-    ASSERT_TRUE(resharded_manifest.ok());
-    EXPECT_EQ(resharded_manifest->layout().ep_size(), world->size());
-    int compared = 0;
-    for (int r = 0; r < 2; ++r) {
-      const std::string name = "experts-0000" + std::to_string(r) + "-of-00002.safetensors";
-      auto a = checkpoint::SafetensorsFile::Open(ckpt / name);
-      auto b = checkpoint::SafetensorsFile::Open(back / checkpoint::StepDirName(kStopAt) / name);
-      ASSERT_TRUE(a.ok() && b.ok());
-      ASSERT_EQ(a->num_tensors(), b->num_tensors());
-      for (const auto& info : a->tensors()) {
-        const auto* other = b->Find(info.name);
-        ASSERT_NE(other, nullptr) << info.name;
-        const auto x = a->TensorBytes(info), y = b->TensorBytes(*other);
-        ASSERT_EQ(x.size(), y.size()) << info.name;
-        EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size()), 0) << name << ": " << info.name;
-        ++compared;
+  if (world->size() == 4 && rank == 0) {
+    // Replicas wrote no expert files: two, by world ranks 0 and 1.
+    auto m = checkpoint::ReadManifest(root / "there_ep2" / checkpoint::StepDirName(kStopAt));
+    ASSERT_TRUE(m.ok());
+    int expert_files = 0;
+    for (const auto& f : m->files()) {
+      if (f.path().starts_with("experts-")) {
+        ++expert_files;
+        EXPECT_LT(f.written_by_rank(), 2) << f.path();
       }
     }
-    // gate_up and down of 2 layers, each with 2 moments, in both files.
-    EXPECT_EQ(compared, 2 * 2 * 3 * 2);
+    EXPECT_EQ(expert_files, 2);
   }
-  world->Barrier()->WaitOrThrow();
+  const fs::path resharded = root / "there_ep0";
 
   // Offline: `moefit reshard` of the 2-rank checkpoint to the world size
   // writes the expert files the world-size run saved, and resuming from it

@@ -43,8 +43,8 @@ absl::StatusOr<uint32_t> FileCrc(const fs::path& path, uint64_t limit) {
   }
   ::close(fd);
   if (done != limit) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(),
-                                                   " is shorter than its manifest says"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("checkpoint file ", path.string(), " is shorter than its manifest says"));
   }
   return crc;
 }
@@ -108,8 +108,8 @@ absl::StatusOr<proto::TrainingCheckpointManifest> ReadManifest(const fs::path& d
   const fs::path path = dir / kManifestName;
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    return absl::NotFoundError(absl::StrCat(
-        path.string(), " is missing: ", dir.string(), " is not a complete training checkpoint"));
+    return absl::NotFoundError(absl::StrCat(path.string(), " is missing: ", dir.string(),
+                                            " is not a complete training checkpoint"));
   }
   absl::StatusOr<std::string> bytes = internal::ReadFileToString(path);
   if (!bytes.ok()) return bytes.status();
@@ -119,8 +119,8 @@ absl::StatusOr<proto::TrainingCheckpointManifest> ReadManifest(const fs::path& d
         absl::StrCat(path.string(), " is not a valid training checkpoint manifest"));
   }
   if (!manifest.end_of_manifest()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        path.string(), " is truncated (", bytes->size(), " bytes, no end-of-manifest mark)"));
+    return absl::InvalidArgumentError(absl::StrCat(path.string(), " is truncated (", bytes->size(),
+                                                   " bytes, no end-of-manifest mark)"));
   }
   if (manifest.format_version() != kTrainingCheckpointFormatVersion) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -151,9 +151,10 @@ std::vector<std::pair<int64_t, fs::path>> ListCheckpoints(const fs::path& save_d
 absl::StatusOr<fs::path> LatestCheckpoint(const fs::path& save_dir) {
   std::vector<std::pair<int64_t, fs::path>> all = ListCheckpoints(save_dir);
   if (all.empty()) {
-    return absl::NotFoundError(absl::StrCat("checkpoint.resume_from = 'latest': no complete "
-                                            "training checkpoint in '",
-                                            save_dir.string(), "'"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint.resume_from = 'latest': no complete "
+                     "training checkpoint in '",
+                     save_dir.string(), "'"));
   }
   return all.back().second;
 }
@@ -163,12 +164,12 @@ absl::Status CheckFileHeader(const fs::path& dir, const proto::CheckpointFile& f
   std::error_code ec;
   const uintmax_t size = fs::file_size(path, ec);
   if (ec) {
-    return absl::NotFoundError(absl::StrCat("checkpoint file ", path.string(),
-                                            " (listed in the manifest) is missing"));
+    return absl::NotFoundError(
+        absl::StrCat("checkpoint file ", path.string(), " (listed in the manifest) is missing"));
   }
   if (size != file.size_bytes()) {
-    return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(), " has ",
-                                                   size, " bytes, the manifest says ",
+    return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(), " has ", size,
+                                                   " bytes, the manifest says ",
                                                    file.size_bytes()));
   }
   absl::StatusOr<uint32_t> crc = FileCrc(path, file.header_bytes());

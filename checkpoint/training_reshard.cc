@@ -22,9 +22,7 @@ namespace fs = std::filesystem;
 
 constexpr char kDenseFile[] = "dense.safetensors";
 
-bool IsExpertFile(const proto::CheckpointFile& f) {
-  return f.path().starts_with("experts-");
-}
+bool IsExpertFile(const proto::CheckpointFile& f) { return f.path().starts_with("experts-"); }
 
 int64_t NumExperts(const proto::TrainingCheckpointManifest& in) {
   return in.layout().expert_first_size() > 0
@@ -43,8 +41,9 @@ absl::StatusOr<proto::CheckpointFile> WriteReshardedExpertFile(
   const int64_t end = first + placement.num_local(out_rank);
   // Input slabs per tensor name, in the order the first input file lists them.
   std::vector<std::string> names;
-  std::map<std::string, std::vector<std::pair<const proto::CheckpointFile*,
-                                              const proto::CheckpointTensor*>>> slabs;
+  std::map<std::string,
+           std::vector<std::pair<const proto::CheckpointFile*, const proto::CheckpointTensor*>>>
+      slabs;
   std::map<std::string, SafetensorsFile> open;
   for (const proto::CheckpointFile& f : in.files()) {
     if (!IsExpertFile(f)) continue;
@@ -94,9 +93,9 @@ absl::StatusOr<proto::CheckpointFile> WriteReshardedExpertFile(
         const int64_t i = x - t->expert_begin();
         std::span<const std::byte> r = bytes.subspan(static_cast<size_t>(i) * row, row);
         if (t->expert_crc32_size() != num || Crc32(r) != t->expert_crc32(static_cast<int>(i))) {
-          return absl::InvalidArgumentError(
-              absl::StrCat("checksum mismatch in checkpoint file ", (in_dir / file->path()).string(),
-                           ": tensor ", name, " (expert ", x, ")"));
+          return absl::InvalidArgumentError(absl::StrCat("checksum mismatch in checkpoint file ",
+                                                         (in_dir / file->path()).string(),
+                                                         ": tensor ", name, " (expert ", x, ")"));
         }
         rows.insert(rows.end(), r.begin(), r.end());
         e->add_expert_crc32(t->expert_crc32(static_cast<int>(i)));
@@ -143,8 +142,8 @@ absl::StatusOr<proto::CheckpointFile> CopyDenseFile(const fs::path& in_dir,
     out.set_written_by_rank(0);
     return out;
   }
-  return absl::NotFoundError(absl::StrCat("the manifest of ", in_dir.string(),
-                                          " lists no ", kDenseFile));
+  return absl::NotFoundError(
+      absl::StrCat("the manifest of ", in_dir.string(), " lists no ", kDenseFile));
 }
 
 absl::StatusOr<proto::TrainingCheckpointManifest> ReshardedManifest(

@@ -13,10 +13,10 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <future>
@@ -59,8 +59,7 @@ std::atomic<bool> g_stop_requested{false};
 void OnStopSignal(int) { g_stop_requested.store(true); }
 
 double NowSeconds() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 std::span<const std::byte> Bytes(const at::Tensor& t) {
@@ -96,8 +95,7 @@ std::vector<uint32_t> RowCrcs(std::span<const std::byte> bytes, int64_t num_rows
 // own when writing is the slower of the two.
 class FileBuilder {
  public:
-  FileBuilder(const fs::path& dir, std::string name, int rank)
-      : dir_(dir), writer_(dir / name) {
+  FileBuilder(const fs::path& dir, std::string name, int rank) : dir_(dir), writer_(dir / name) {
     file_.set_path(std::move(name));
     file_.set_written_by_rank(rank);
   }
@@ -175,8 +173,8 @@ absl::Status PreadAll(const fs::path& path, uint64_t offset, std::span<std::byte
   }
   size_t done = 0;
   while (done < bytes.size()) {
-    const ssize_t n = ::pread(fd, bytes.data() + done, bytes.size() - done,
-                              static_cast<off_t>(offset + done));
+    const ssize_t n =
+        ::pread(fd, bytes.data() + done, bytes.size() - done, static_cast<off_t>(offset + done));
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) break;
     done += static_cast<size_t>(n);
@@ -291,9 +289,8 @@ absl::Status Publish(Trainer& trainer, int64_t steps_done, const CheckpointingOp
   layout->set_world_size(groups.world->size());
   layout->set_ep_size(groups.expert_parallel->size());
   for (int r = 0; r <= groups.expert_parallel->size(); ++r) {
-    layout->add_expert_first(r < groups.expert_parallel->size()
-                                 ? model.placement().first_expert(r)
-                                 : model.placement().num_experts());
+    layout->add_expert_first(r < groups.expert_parallel->size() ? model.placement().first_expert(r)
+                                                                : model.placement().num_experts());
   }
   for (const proto::CheckpointFile& f : files) *m.add_files() = f;
   m.set_config_text(options.config_text);
@@ -323,8 +320,8 @@ absl::Status Publish(Trainer& trainer, int64_t steps_done, const CheckpointingOp
       if (all[i].second == final_dir) continue;
       std::error_code ec;
       // Renamed first so that a half-deleted directory never looks complete.
-      const fs::path doomed = all[i].second.parent_path() /
-                              ("." + all[i].second.filename().string() + ".deleting");
+      const fs::path doomed =
+          all[i].second.parent_path() / ("." + all[i].second.filename().string() + ".deleting");
       fs::rename(all[i].second, doomed, ec);
       if (!ec) fs::remove_all(doomed, ec);
     }
@@ -421,8 +418,8 @@ class CheckpointReader {
     if (std::string(checkpoint::DtypeName(info->dtype)) != ref.tensor->dtype() ||
         !std::equal(info->shape.begin(), info->shape.end(), ref.tensor->shape().begin(),
                     ref.tensor->shape().end())) {
-      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(),
-                                                     ": tensor ", ref.tensor->name(),
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(), ": tensor ",
+                                                     ref.tensor->name(),
                                                      " differs from its manifest entry"));
     }
     const int64_t num_experts = ref.tensor->expert_end() - ref.tensor->expert_begin();
@@ -432,9 +429,8 @@ class CheckpointReader {
     const uint64_t first_byte = whole ? 0 : static_cast<uint64_t>(row_begin) * row;
     std::span<std::byte> out(static_cast<std::byte*>(dst.data_ptr()), dst.nbytes());
     if (out.size() != row * static_cast<size_t>(rows)) {
-      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(),
-                                                     ": tensor ", ref.tensor->name(),
-                                                     " has the wrong size"));
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", path.string(), ": tensor ",
+                                                     ref.tensor->name(), " has the wrong size"));
     }
     // The data section starts right after the header the manifest checked.
     MOEFIT_RETURN_IF_ERROR(
@@ -476,9 +472,8 @@ class CheckpointReader {
     absl::StatusOr<checkpoint::SafetensorsFile> file =
         checkpoint::SafetensorsFile::Open(dir_ / f.path());
     if (!file.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("checkpoint file ", (dir_ / f.path()).string(), ": ",
-                       file.status().message()));
+      return absl::InvalidArgumentError(absl::StrCat("checkpoint file ", (dir_ / f.path()).string(),
+                                                     ": ", file.status().message()));
     }
     return &open_.emplace(f.path(), std::move(*file)).first->second;
   }
@@ -492,10 +487,11 @@ class CheckpointReader {
 absl::Status CheckDtype(const proto::CheckpointTensor& entry, const at::Tensor& target) {
   MOEFIT_ASSIGN_OR_RETURN(checkpoint::Dtype want, checkpoint::ToDtype(target.scalar_type()));
   if (entry.dtype() != checkpoint::DtypeName(want)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("tensor ", entry.name(), " is ", entry.dtype(), " in the checkpoint but ",
-                     std::string(checkpoint::DtypeName(want)), " in this run (experts.dtype or train.mode "
-                     "differ from the saved run)"));
+    return absl::InvalidArgumentError(absl::StrCat("tensor ", entry.name(), " is ", entry.dtype(),
+                                                   " in the checkpoint but ",
+                                                   std::string(checkpoint::DtypeName(want)),
+                                                   " in this run (experts.dtype or train.mode "
+                                                   "differ from the saved run)"));
   }
   return absl::OkStatus();
 }
@@ -532,8 +528,8 @@ absl::StatusOr<int64_t> ReadInto(CheckpointReader& reader, const std::string& na
     MOEFIT_RETURN_IF_ERROR(CheckDtype(*ref.tensor, target));
     if (!std::equal(shape.begin(), shape.end(), ref.tensor->shape().begin(),
                     ref.tensor->shape().end())) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name,
-                                                     " has another shape in the checkpoint"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", name, " has another shape in the checkpoint"));
     }
     MOEFIT_RETURN_IF_ERROR(ReadRowsInto(reader, ref, 0, 0, target));
     return ref.tensor->adam_step();
@@ -548,8 +544,8 @@ absl::StatusOr<int64_t> ReadInto(CheckpointReader& reader, const std::string& na
     MOEFIT_RETURN_IF_ERROR(CheckDtype(*ref.tensor, target));
     if (ref.tensor->shape_size() != target.dim() ||
         !std::equal(shape.begin() + 1, shape.end(), ref.tensor->shape().begin() + 1)) {
-      return absl::InvalidArgumentError(absl::StrCat("tensor ", name,
-                                                     " has another shape in the checkpoint"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor ", name, " has another shape in the checkpoint"));
     }
     MOEFIT_RETURN_IF_ERROR(ReadRowsInto(reader, ref, b - ref.tensor->expert_begin(),
                                         e - ref.tensor->expert_begin(),
@@ -591,9 +587,9 @@ absl::Status CompareModel(const fs::path& dir, const proto::ModelConfig& saved,
     }
     lines.push_back(absl::StrCat("model.", line, suffix));
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "the model config does not match the checkpoint ", dir.string(),
-      " (saved -> this run): ", absl::StrJoin(lines, "; ")));
+  return absl::InvalidArgumentError(
+      absl::StrCat("the model config does not match the checkpoint ", dir.string(),
+                   " (saved -> this run): ", absl::StrJoin(lines, "; ")));
 }
 
 }  // namespace
@@ -639,13 +635,13 @@ absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
     fs::remove_all(partial, ec);
     if (!ec) fs::create_directories(partial, ec);
     if (ec) {
-      status = absl::InternalError(
-          absl::StrCat("cannot create ", partial.string(), ": ", ec.message()));
+      status =
+          absl::InternalError(absl::StrCat("cannot create ", partial.string(), ": ", ec.message()));
     }
   }
   const auto failed_elsewhere = [&] {
-    return absl::InternalError(absl::StrCat("the checkpoint ", final_dir.string(),
-                                            " was not saved: another rank failed"));
+    return absl::InternalError(
+        absl::StrCat("the checkpoint ", final_dir.string(), " was not saved: another rank failed"));
   };
   if (AnyRankFailed(world, !status.ok())) return status.ok() ? failed_elsewhere() : status;
   MaybeKill("before_files", world.rank(), steps_done);
@@ -670,7 +666,8 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
                                                      " was saved in mode ", m.mode(),
                                                      ", this run is ", mode));
     }
-    if (model_config != nullptr) MOEFIT_RETURN_IF_ERROR(CompareModel(dir, m.model(), *model_config));
+    if (model_config != nullptr)
+      MOEFIT_RETURN_IF_ERROR(CompareModel(dir, m.model(), *model_config));
     if (m.data_seed() != trainer.options().seed) {
       return absl::InvalidArgumentError(absl::StrCat(
           "train.seed = ", trainer.options().seed, " but the checkpoint ", dir.string(),
@@ -705,7 +702,8 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
           s.m = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
           s.v = at::empty_like(p.tensor, at::MemoryFormat::Contiguous);
         }
-        MOEFIT_RETURN_IF_ERROR(ReadInto(reader, "exp_avg/" + p.name, s.m, p.expert, first).status());
+        MOEFIT_RETURN_IF_ERROR(
+            ReadInto(reader, "exp_avg/" + p.name, s.m, p.expert, first).status());
         MOEFIT_RETURN_IF_ERROR(
             ReadInto(reader, "exp_avg_sq/" + p.name, s.v, p.expert, first).status());
         s.step = step;
@@ -757,8 +755,7 @@ absl::StatusOr<int64_t> LoadTrainingCheckpoint(Trainer& trainer, const fs::path&
   return result;
 }
 
-absl::StatusOr<int64_t> LoadCheckpointWeights(MoeModel& model, int ep_rank,
-                                              const fs::path& dir) {
+absl::StatusOr<int64_t> LoadCheckpointWeights(MoeModel& model, int ep_rank, const fs::path& dir) {
   MOEFIT_ASSIGN_OR_RETURN(proto::TrainingCheckpointManifest m, checkpoint::ReadManifest(dir));
   const std::string mode = model.runtime().lora.enabled() ? "lora" : "full";
   if (m.mode() != mode) {
@@ -812,8 +809,8 @@ absl::StatusOr<bool> Checkpointer::AtStepEnd(int64_t steps_done) {
   parallel::Communicator& world = *trainer_.groups().world;
   const bool time_due = world.rank() == 0 && options_.save_every_minutes > 0 &&
                         NowSeconds() - last_save_time_ >= options_.save_every_minutes * 60;
-  at::Tensor flags =
-      at::tensor({static_cast<int64_t>(StopRequested()), static_cast<int64_t>(time_due)}, at::kLong);
+  at::Tensor flags = at::tensor(
+      {static_cast<int64_t>(StopRequested()), static_cast<int64_t>(time_due)}, at::kLong);
   world.AllReduce(flags, parallel::ReduceOp::kMax)->WaitOrThrow();
   const bool stop = flags[0].item<int64_t>() != 0;
   const bool due = stop || flags[1].item<int64_t>() != 0 ||

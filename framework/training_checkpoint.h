@@ -51,9 +51,9 @@ namespace moefit::framework {
 
 struct CheckpointingOptions {
   std::string save_dir;
-  int64_t save_every_steps = 0;    // 0 = not by steps
-  double save_every_minutes = 0;   // 0 = not by time
-  int64_t keep_last = 0;           // 0 = keep all
+  int64_t save_every_steps = 0;   // 0 = not by steps
+  double save_every_minutes = 0;  // 0 = not by time
+  int64_t keep_last = 0;          // 0 = keep all
   // Recorded in the manifest: the resolved config (text format) and its model
   // section, which a resumed run must match.
   std::string config_text;

@@ -34,8 +34,8 @@ absl::Status RunReshard(const std::string& in, const std::string& out, int ep_si
           ? manifest.layout().expert_first(manifest.layout().expert_first_size() - 1)
           : 0;
   if (ep_size > num_experts) {
-    return absl::InvalidArgumentError(absl::StrCat("--ep = ", ep_size, " is more than the ",
-                                                   num_experts, " experts of ", in));
+    return absl::InvalidArgumentError(
+        absl::StrCat("--ep = ", ep_size, " is more than the ", num_experts, " experts of ", in));
   }
   fs::path partial;
   absl::Status status;

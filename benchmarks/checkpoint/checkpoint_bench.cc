@@ -16,9 +16,9 @@
 //               every expert's checksum checked;
 //   read()      that file read back with read() into the same tensors.
 // Each is timed four times and the best counts (this machine's disk varies
-// from run to run), save and write() taking turns to go first; the page cache is left as the previous case leaves it,
-// alike for both sides. Peak RSS during the save above the RSS before it comes
-// from VmHWM after a reset through /proc/self/clear_refs.
+// from run to run), save and write() taking turns to go first; the page cache is left as the
+// previous case leaves it, alike for both sides. Peak RSS during the save above the RSS before it
+// comes from VmHWM after a reset through /proc/self/clear_refs.
 //
 // Flags: --hidden=1024 --moe_intermediate=512 --experts=64 --layers=2 --dir=/tmp
 //        --cold (load and read() from the disk, not the page cache)

@@ -62,11 +62,11 @@ launch::RunConfig SmallRun(int world_size) {
 }
 
 struct Job {
-  fs::path save_dir;          // checkpointing into it, stopping at kStopAt when asked
-  bool stop_here = false;     // this rank asks to stop after kStopAt
-  fs::path resume;            // resume from it
-  fs::path save_after_load;   // save the loaded state here without training
-  int ep_size = 0;            // parallel.ep_size (0 = the world)
+  fs::path save_dir;         // checkpointing into it, stopping at kStopAt when asked
+  bool stop_here = false;    // this rank asks to stop after kStopAt
+  fs::path resume;           // resume from it
+  fs::path save_after_load;  // save the loaded state here without training
+  int ep_size = 0;           // parallel.ep_size (0 = the world)
 };
 
 std::vector<double> Train(std::shared_ptr<parallel::Communicator> world, const Job& job) {
@@ -76,9 +76,9 @@ std::vector<double> Train(std::shared_ptr<parallel::Communicator> world, const J
   run.runtime.expert_group = groups->expert_parallel;
   auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
   EXPECT_TRUE(data.ok()) << data.status();
-  auto model = MoeModel::Create(run.model, run.runtime, run.train.seed,
-                                job.resume.empty() ? WeightInit::kRandom
-                                                   : WeightInit::kUninitialized);
+  auto model =
+      MoeModel::Create(run.model, run.runtime, run.train.seed,
+                       job.resume.empty() ? WeightInit::kRandom : WeightInit::kUninitialized);
   EXPECT_TRUE(model.ok()) << model.status();
   Trainer trainer(**model, *data, run.train, &*groups);
   if (!job.resume.empty()) {
@@ -101,8 +101,7 @@ std::vector<double> Train(std::shared_ptr<parallel::Communicator> world, const J
     if (job.stop_here && st.step == kStopAt) RequestStop();
   };
   std::ostringstream log;
-  auto stats =
-      trainer.Run(log, after, job.save_dir.empty() ? StepEndHook() : checkpointer.Hook());
+  auto stats = trainer.Run(log, after, job.save_dir.empty() ? StepEndHook() : checkpointer.Hook());
   ClearStopRequest();
   EXPECT_TRUE(stats.ok()) << stats.status();
   return losses;
@@ -197,8 +196,8 @@ TEST(TrainingCheckpointMpi, SaveAtTwoResumeAtTwoWorldAndOne) {
     Train(world, {.resume = ckpt, .save_after_load = there, .ep_size = ep_size});
     world->Barrier()->WaitOrThrow();
     if (rank < 2) {
-      Train(*two, {.resume = there / checkpoint::StepDirName(kStopAt),
-                   .save_after_load = back_again});
+      Train(*two,
+            {.resume = there / checkpoint::StepDirName(kStopAt), .save_after_load = back_again});
     }
     world->Barrier()->WaitOrThrow();
     if (rank == 0) {

@@ -5,6 +5,8 @@
 // moving correction biases); keep_last (and the removal of what killed saves
 // left); saving by time and after the last step; "latest"; and the load
 // errors, each naming the file or field.
+#include "framework/training_checkpoint.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -19,7 +21,6 @@
 #include "framework/hf_io.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
-#include "framework/training_checkpoint.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
 #include "launch/export_command.h"
@@ -35,10 +36,14 @@ constexpr int64_t kSteps = 8;
 constexpr int64_t kStopAt = 4;
 
 std::vector<std::string> Sets(const std::string& variant) {
-  std::vector<std::string> s = {"train.steps=" + std::to_string(kSteps), "train.seq_len=32",
-                                "train.micro_batch_size=4", "model.hidden_size=64",
-                                "model.head_dim=16", "model.moe_intermediate_size=32",
-                                "model.num_hidden_layers=2", "logging.metrics_file=",
+  std::vector<std::string> s = {"train.steps=" + std::to_string(kSteps),
+                                "train.seq_len=32",
+                                "train.micro_batch_size=4",
+                                "model.hidden_size=64",
+                                "model.head_dim=16",
+                                "model.moe_intermediate_size=32",
+                                "model.num_hidden_layers=2",
+                                "logging.metrics_file=",
                                 "schedule.warmup_steps=2"};
   if (variant == "bf16") s.push_back("experts.dtype=bfloat16");
   if (variant == "lora") {
@@ -47,11 +52,10 @@ std::vector<std::string> Sets(const std::string& variant) {
   }
   if (variant == "deepseek_v3") {
     s.insert(s.end(), {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
-                       "model.q_lora_rank=24", "model.kv_lora_rank=16",
-                       "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
-                       "model.v_head_dim=16", "model.n_group=4", "model.topk_group=2",
-                       "model.first_k_dense_replace=1", "model.aux_loss_alpha=0.01",
-                       "router.bias_update_rate=0.01"});
+                       "model.q_lora_rank=24", "model.kv_lora_rank=16", "model.qk_nope_head_dim=16",
+                       "model.qk_rope_head_dim=8", "model.v_head_dim=16", "model.n_group=4",
+                       "model.topk_group=2", "model.first_k_dense_replace=1",
+                       "model.aux_loss_alpha=0.01", "router.bias_update_rate=0.01"});
   }
   return s;
 }

@@ -986,8 +986,8 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 " must be >= 0 (0 = off)"));
   }
   if (ck.keep_last() < 0) {
-    return Invalid(absl::StrCat("checkpoint.keep_last = ", ck.keep_last(),
-                                " must be >= 0 (0 = keep all)"));
+    return Invalid(
+        absl::StrCat("checkpoint.keep_last = ", ck.keep_last(), " must be >= 0 (0 = keep all)"));
   }
   run.save_every_steps = ck.save_every_steps();
   run.save_every_minutes = ck.save_every_minutes();

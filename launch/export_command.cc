@@ -34,14 +34,13 @@ absl::Status ExportTrainingCheckpoint(const std::string& src, const std::string&
                                       std::ostream& log) {
   MOEFIT_ASSIGN_OR_RETURN(proto::TrainingCheckpointManifest manifest,
                           checkpoint::ReadManifest(src));
-  MOEFIT_ASSIGN_OR_RETURN(
-      proto::Config config,
-      LoadConfigText(manifest.config_text(), src + "/" + checkpoint::kManifestName + " (config)",
-                     {}));
+  MOEFIT_ASSIGN_OR_RETURN(proto::Config config,
+                          LoadConfigText(manifest.config_text(),
+                                         src + "/" + checkpoint::kManifestName + " (config)", {}));
   MOEFIT_ASSIGN_OR_RETURN(RunConfig run, ResolveConfig(config));
   std::error_code ec;
-  if (!run.model_path.empty() &&
-      std::filesystem::weakly_canonical(dst, ec) == std::filesystem::weakly_canonical(run.model_path, ec)) {
+  if (!run.model_path.empty() && std::filesystem::weakly_canonical(dst, ec) ==
+                                     std::filesystem::weakly_canonical(run.model_path, ec)) {
     return absl::InvalidArgumentError(
         absl::StrCat("export: DST = '", dst, "' is the checkpoint's base model directory"));
   }

@@ -43,6 +43,10 @@ grep -q "resumed from .*$saved" "$dir/resume.log" || fail "did not resume from $
 [ -d "$dir/ckpt/step-00000030" ] || fail "no final checkpoint"
 [ -f "$dir/ckpt/final/config.json" ] || fail "no final model in save_dir/final"
 
+"$moefit" inspect "$dir/ckpt/step-00000030" > "$dir/inspect.log" 2>&1 || fail "inspect failed"
+grep -q "training checkpoint after step 30 (mode full), saved by 1 processes" "$dir/inspect.log" \
+  || fail "inspect does not describe the checkpoint"
+
 # The last checkpoint exported is the final model, file for file.
 "$moefit" export "$dir/ckpt/step-00000030" "$dir/exported" > "$dir/export.log" 2>&1 \
   || fail "export failed"

@@ -64,6 +64,13 @@ class FusedAdamW {
   void AttachCopy(const at::Tensor& param, at::Tensor copy, uint64_t key = 0,
                   int64_t first_element = 0);
 
+  // Checkpointing: the parameters by group, and the state of groups()[g].params[i]
+  // (m and v undefined until its first step), read and replaced as they are.
+  struct TensorState {
+    at::Tensor m, v;
+    int64_t step = 0;
+  
+
  private:
   struct State {
     at::Tensor m, v;
@@ -76,6 +83,19 @@ class FusedAdamW {
   std::vector<std::vector<State>> state_;
   AdamWHyper hyper_;
   bool fused_;
+};
+  const std::vector<Group>& groups() const { return groups_; }
+  TensorState tensor_state(size_t g, size_t i) const {
+    const State& s = state_[g][i];
+    return {s.m, s.v, s.step};
+  }
+  // Keeps the tensor's attached copy (AttachCopy) and its numbering.
+  void set_tensor_state(size_t g, size_t i, TensorState t) {
+    State& s = state_[g][i];
+    s.m = std::move(t.m);
+    s.v = std::move(t.v);
+    s.step = t.step;
+  }
 };
 
 // Sum over `tensors` of the squared entries, accumulated in double: one pass

@@ -74,6 +74,7 @@ struct Trainer::Impl {
   BatchSampler sampler;
   std::unique_ptr<FusedAdamW> optimizer;
   std::vector<at::Tensor> dense_params, expert_params;
+  int64_t first_step = 0;
 
   Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
        const parallel::ProcessGroups* g)
@@ -142,6 +143,18 @@ Trainer::Trainer(MoeModel& model, const TokenDataset& data, const TrainOptions& 
     : impl_(std::make_unique<Impl>(model, data, options, groups)) {}
 
 Trainer::~Trainer() = default;
+
+MoeModel& Trainer::model() { return impl_->model; }
+FusedAdamW& Trainer::optimizer() { return *impl_->optimizer; }
+const parallel::ProcessGroups& Trainer::groups() const { return impl_->groups; }
+const TrainOptions& Trainer::options() const { return impl_->options; }
+int64_t Trainer::first_step() const { return impl_->first_step; }
+void Trainer::set_first_step(int64_t step) { impl_->first_step = step; }
+int64_t Trainer::num_sequences() const { return impl_->data.num_sequences(); }
+int64_t Trainer::global_batch() const {
+  return impl_->options.micro_batch_size * impl_->groups.data_parallel->size() *
+         impl_->options.grad_accum_steps;
+}
 
 StepStats Trainer::Step(int64_t step) {
   Impl& s = *impl_;
@@ -262,7 +275,8 @@ std::string FormatDuration(double seconds) {
 }  // namespace
 
 absl::StatusOr<std::vector<StepStats>> Trainer::Run(
-    std::ostream& log, const std::function<void(const StepStats&)>& after_step) {
+    std::ostream& log, const std::function<void(const StepStats&)>& after_step,
+    const StepEndHook& at_step_end) {
   const TrainOptions& o = impl_->options;
   const bool rank0 = impl_->groups.world->rank() == 0;
   std::ofstream metrics;
@@ -275,11 +289,12 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
   }
   std::vector<StepStats> all;
   double elapsed = 0;
-  for (int64_t step = 0; step < o.steps; ++step) {
+  const int64_t first = impl_->first_step;
+  for (int64_t step = first; step < o.steps; ++step) {
     StepStats st = Step(step);
     elapsed += st.seconds;
     const double tok_s = st.seconds > 0 ? st.tokens / st.seconds : 0.0;
-    const double eta = elapsed / (step + 1) * (o.steps - step - 1);
+    const double eta = elapsed / (step - first + 1) * (o.steps - step - 1);
     if (rank0 && (o.log_every <= 1 || st.step % o.log_every == 0 || st.step == o.steps)) {
       log << absl::StrFormat(
                  "step %d/%d | loss %.4f | aux %.4f | lr %.2e | gnorm %.3f | %.0f tok/s | eta %s",
@@ -319,6 +334,11 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
     }
     if (after_step) after_step(st);
     all.push_back(std::move(st));
+    if (at_step_end) {
+      absl::StatusOr<bool> stop = at_step_end(step + 1);
+      if (!stop.ok()) return stop.status();
+      if (*stop) break;
+    }
   }
   return all;
 }

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "framework/data.h"
 #include "framework/model.h"
 #include "parallel/process_groups.h"
@@ -95,6 +96,14 @@ struct StepStats {
   std::vector<LayerLoad> moe_layers;
 };
 
+class FusedAdamW;
+
+// Runs on every rank after each step with the number of steps done (the
+// step's 1-based index); returns whether to stop now (every rank must return
+// the same), or an error that ends the run. The training checkpointer
+// (framework/training_checkpoint.h) saves from here.
+using StepEndHook = std::function<absl::StatusOr<bool>(int64_t steps_done)>;
+
 class Trainer {
  public:
   // `groups` null: this process alone. Otherwise the model must have been
@@ -109,8 +118,25 @@ class Trainer {
   // All steps; rank 0 prints a progress line per step to `log` and appends
   // metrics. `after_step`, if set, runs on every rank after each step.
   // Returns the per-step stats (the same on every rank).
+  // Steps run from first_step() (0 unless a checkpoint was restored) to
+  // options.steps; `at_step_end`, if set, runs after `after_step` and may end
+  // the run early.
   absl::StatusOr<std::vector<StepStats>> Run(
-      std::ostream& log, const std::function<void(const StepStats&)>& after_step = {});
+      std::ostream& log, const std::function<void(const StepStats&)>& after_step = {},
+      const StepEndHook& at_step_end = {});
+
+  // What a training checkpoint saves and restores.
+  MoeModel& model();
+  FusedAdamW& optimizer();
+  const parallel::ProcessGroups& groups() const;
+  const TrainOptions& options() const;
+  // The step Run starts at: the number of steps already taken.
+  int64_t first_step() const;
+  void set_first_step(int64_t step);
+  // Sequences per optimizer step (over all ranks).
+  int64_t global_batch() const;
+  // Sequences in the data set (what the sampler permutes).
+  int64_t num_sequences() const;
 
  private:
   struct Impl;

@@ -976,6 +976,36 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 "' must be float32 or bfloat16 (or empty: as trained)"));
   }
 
+  const proto::CheckpointConfig& ck = c.checkpoint();
+  if (ck.save_every_steps() < 0) {
+    return Invalid(absl::StrCat("checkpoint.save_every_steps = ", ck.save_every_steps(),
+                                " must be >= 0 (0 = off)"));
+  }
+  if (!(ck.save_every_minutes() >= 0)) {
+    return Invalid(absl::StrCat("checkpoint.save_every_minutes = ", ck.save_every_minutes(),
+                                " must be >= 0 (0 = off)"));
+  }
+  if (ck.keep_last() < 0) {
+    return Invalid(
+        absl::StrCat("checkpoint.keep_last = ", ck.keep_last(), " must be >= 0 (0 = keep all)"));
+  }
+  run.save_every_steps = ck.save_every_steps();
+  run.save_every_minutes = ck.save_every_minutes();
+  run.keep_last = ck.keep_last();
+  run.resume_from = ck.resume_from();
+  if (run.training_checkpoints() && run.save_dir.empty()) {
+    return Invalid(
+        "checkpoint.save_every_steps / save_every_minutes write training checkpoints under "
+        "checkpoint.save_dir, which is not set");
+  }
+  if (ck.has_keep_last() && !run.training_checkpoints()) {
+    return Invalid(
+        "checkpoint.keep_last applies to training checkpoints: set checkpoint.save_every_steps "
+        "or checkpoint.save_every_minutes");
+  }
+  google::protobuf::TextFormat::PrintToString(c, &run.config_text);
+  run.model_config = c.model();
+
   run.data = {c.data().format(), c.data().path()};
   if (run.data.format == "text") {
     if (run.model.vocab_size < framework::kByteVocabSize) {

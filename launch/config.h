@@ -72,6 +72,22 @@ struct RunConfig {
   // Frozen-base dtype (lora.base_dtype); nullopt = the checkpoint's.
   std::optional<at::ScalarType> lora_base_dtype;
   bool experts_dtype_set = false;  // experts.dtype given (it then wins for the experts)
+  // Training checkpoints (framework/training_checkpoint.h): periods (0 = off),
+  // how many to keep (0 = all), and the checkpoint to resume from ("" = none,
+  // a directory, or "latest").
+  int64_t save_every_steps = 0;
+  double save_every_minutes = 0;
+  int64_t keep_last = 0;
+  std::string resume_from;
+  // The weights come from the resumed checkpoint: the model is only allocated
+  // (set by the train command when resuming in full mode).
+  bool weights_from_checkpoint = false;
+  // The resolved config as text, and its model section (recorded in training
+  // checkpoints, and compared on resume).
+  std::string config_text;
+  proto::ModelConfig model_config;
+
+  bool training_checkpoints() const { return save_every_steps > 0 || save_every_minutes > 0; }
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

@@ -10,19 +10,78 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "checkpoint/training_manifest.h"
 #include "checkpoint/weight_loader.h"
+#include "framework/adapter_io.h"
 #include "framework/hf_io.h"
+#include "framework/training_checkpoint.h"
 #include "launch/config.h"
+#include "launch/train_command.h"
 #include "proto/status_macros.h"
 #include "router/expert_placement.h"
 
 namespace moefit::launch {
+
+namespace {
+
+// A training checkpoint: the model its recorded config describes, built at
+// this world size with its trained tensors read by global expert index, saved
+// as the run's final save would (the frozen base of a LoRA run comes from its
+// model.model_path, as on resume).
+absl::Status ExportTrainingCheckpoint(const std::string& src, const std::string& dst,
+                                      const ExportCommandOptions& options,
+                                      std::shared_ptr<parallel::Communicator> world,
+                                      std::ostream& log) {
+  MOEFIT_ASSIGN_OR_RETURN(proto::TrainingCheckpointManifest manifest,
+                          checkpoint::ReadManifest(src));
+  MOEFIT_ASSIGN_OR_RETURN(proto::Config config,
+                          LoadConfigText(manifest.config_text(),
+                                         src + "/" + checkpoint::kManifestName + " (config)", {}));
+  MOEFIT_ASSIGN_OR_RETURN(RunConfig run, ResolveConfig(config));
+  std::error_code ec;
+  if (!run.model_path.empty() && std::filesystem::weakly_canonical(dst, ec) ==
+                                     std::filesystem::weakly_canonical(run.model_path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("export: DST = '", dst, "' is the checkpoint's base model directory"));
+  }
+  run.runtime.expert_master_weights = true;  // as trained
+  run.weights_from_checkpoint = !run.runtime.lora.enabled();
+  run.resume_from = src;
+  run.ep_size = 0;
+  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
+  MOEFIT_ASSIGN_OR_RETURN(
+      int64_t step,
+      framework::LoadCheckpointWeights(*built.model, built.groups.expert_parallel->rank(), src));
+  if (run.runtime.lora.enabled()) {
+    framework::AdapterSaveOptions save;
+    save.base_model_name_or_path = run.model_path;
+    save.per_expert = run.lora_save_per_expert;
+    MOEFIT_RETURN_IF_ERROR(framework::SaveAdapter(*built.model, dst, built.groups, save));
+    log << "moefit: exported the LoRA adapter of " << src << " (step " << step << ") to " << dst
+        << " (PEFT format)" << std::endl;
+    return absl::OkStatus();
+  }
+  framework::SaveOptions save;
+  save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
+  save.dtype = options.dtype;
+  save.base_config_json = run.base_config_json;
+  save.copy_files_from = run.model_path;
+  MOEFIT_RETURN_IF_ERROR(framework::SaveHfDirectory(*built.model, dst, built.groups, save));
+  log << "moefit: exported the model of " << src << " (step " << step << ") to " << dst
+      << " (Hugging Face format)" << std::endl;
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::Status RunExport(const std::string& src, const std::string& dst,
                        const ExportCommandOptions& options,
                        std::shared_ptr<parallel::Communicator> world, std::ostream& log_in) {
   std::ostringstream discard;
   std::ostream& log = world->rank() == 0 ? log_in : discard;
+  if (std::filesystem::exists(std::filesystem::path(src) / checkpoint::kManifestName)) {
+    return ExportTrainingCheckpoint(src, dst, options, std::move(world), log);
+  }
   const std::filesystem::path config_path = std::filesystem::path(src) / "config.json";
   proto::Config config = DefaultConfig();
   config.mutable_model()->set_config_json(config_path.string());

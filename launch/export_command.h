@@ -4,6 +4,12 @@
 // mapping table reads (e.g. gpt-oss-style packed experts). A checkpoint tool:
 // it builds no model. Under mpirun each rank reads and writes only its share
 // of the experts; rank 0 the dense tensors and the index.
+//
+// SRC may also be a training checkpoint (a step-* directory with
+// manifest.binpb, framework/training_checkpoint.h): the model of its recorded
+// config is then built at this world size, its trained tensors read (each rank
+// its own experts), and written as the run's final save would (a PEFT adapter
+// directory for a LoRA run, whose base comes from its model.model_path).
 #pragma once
 
 #include <memory>

@@ -18,6 +18,7 @@
 #include "absl/strings/str_join.h"
 #include "checkpoint/natural_order.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/training_manifest.h"
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
@@ -99,6 +100,16 @@ absl::Status RunInspect(const std::string& path, std::ostream& out) {
     }
     if (files.empty()) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": no .safetensors files"));
+    }
+    if (fs::exists(fs::path(path) / checkpoint::kManifestName)) {
+      // A training checkpoint: what its manifest says, then its tensors (the
+      // AdamW moments and generator states count among them).
+      absl::StatusOr<proto::TrainingCheckpointManifest> m = checkpoint::ReadManifest(path);
+      if (!m.ok()) return m.status();
+      out << path << ": training checkpoint after step " << m->step() << " (mode " << m->mode()
+          << "), saved by " << m->layout().world_size() << " processes, "
+          << m->layout().ep_size() << " expert-parallel ranks; " << m->files_size()
+          << " files listed" << std::endl;
     }
   } else if (fs::exists(path, ec)) {
     files.push_back(path);

@@ -32,6 +32,7 @@
 #include "launch/inspect_command.h"
 #include "launch/merge_command.h"
 #include "launch/plan_command.h"
+#include "launch/reshard_command.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
@@ -58,6 +59,7 @@ ABSL_FLAG(std::string, expert_dtype, "bf16", "plan: routed experts' dtype: fp32,
 ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
 ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
 ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
+ABSL_FLAG(int32_t, ep, 0, "reshard: expert-parallel ranks of the output");
 
 namespace moefit::launch {
 namespace {
@@ -81,6 +83,9 @@ std::string Usage() {
          "      repeated fields take a list: --set model.mlp_only_layers=[0,3].\n"
          "      model.model_path: DIR starts from a Hugging Face model directory's weights;\n"
          "      checkpoint.save_dir: DIR writes the trained model there in the same format.\n"
+         "      Training checkpoints: --set checkpoint.save_every_steps=N writes DIR/step-*\n"
+         "      (and the model to DIR/final); --set checkpoint.resume_from=latest resumes,\n"
+         "      at any number of processes. SIGTERM/SIGINT then save and exit 0.\n"
          "      LoRA: --set train.mode=lora --set lora.rank=16 --set lora.target_modules=[q_proj,\n"
          "      v_proj,experts] trains adapters on a frozen base and saves a PEFT adapter.\n"
          "      train.recompute: none|experts|full trades compute for activation memory.\n"
@@ -95,11 +100,17 @@ std::string Usage() {
          "      parameter counts, the MoE layout.\n"
          "  export SRC_DIR DST_DIR [--max_shard_bytes N] [--save_dtype float32|bfloat16]\n"
          "      Rewrite a model directory in the standard Hugging Face layout (per-expert\n"
-         "      tensors, sharded safetensors, index), from any layout its family reads.\n"
+         "      tensors, sharded safetensors, index), from any layout its family reads; or\n"
+         "      write the model of a training checkpoint (checkpoint.save_dir/step-*) so\n"
+         "      (a PEFT adapter directory for a train.mode=lora run).\n"
          "  merge BASE_DIR ADAPTER_DIR OUT_DIR [--max_shard_bytes N] [--save_dtype D]\n"
          "      Fold a LoRA adapter (PEFT format, e.g. the checkpoint.save_dir of a\n"
          "      train.mode=lora run) into its base model and write the merged model as a\n"
          "      Hugging Face model directory (in the base's dtype unless --save_dtype).\n"
+         "  reshard IN_DIR OUT_DIR --ep M\n"
+         "      Rewrite the training checkpoint IN_DIR (a checkpoint.save_dir/step-* directory)\n"
+         "      as saved by M expert-parallel ranks, without building the model; under mpirun\n"
+         "      the processes share the expert files.\n"
          "  plan --model CONFIG_JSON --nodes N --ram-gb R --gpus-per-node G --gpu-gb M\n"
          "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8]\n"
          "       [--seq-len T] [--micro-batch B] [--json]\n"
@@ -335,6 +346,7 @@ int Main(int argc, char** argv) {
       {"inspect", {}},
       {"export", {"max_shard_bytes", "save_dtype"}},
       {"merge", {"max_shard_bytes", "save_dtype"}},
+      {"reshard", {"ep"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
         "seq_len", "micro_batch", "json"}},
@@ -371,6 +383,16 @@ int Main(int argc, char** argv) {
     return s.ok() ? kExitOk : Fail(s);
   }
   if (cmd == "plan") return PlanCommand(args);
+  if (cmd == "reshard") {
+    if (args.positional.size() != 2 || absl::GetFlag(FLAGS_ep) < 1) {
+      std::cerr << "moefit: usage: moefit reshard IN_DIR OUT_DIR --ep M (M >= 1)" << std::endl;
+      return kExitBadInput;
+    }
+    return RunCollective(&argc, &argv, [&](auto world) {
+      return RunReshard(args.positional[0], args.positional[1], absl::GetFlag(FLAGS_ep), world,
+                        std::cout);
+    });
+  }
   // export and merge
   const size_t num_dirs = cmd == "merge" ? 3 : 2;
   if (args.positional.size() != num_dirs) {

@@ -10,12 +10,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/training_manifest.h"
 #include "experts/kernels/isa.h"
 #include "framework/adapter_io.h"
 #include "framework/data.h"
 #include "framework/hf_io.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
+#include "framework/training_checkpoint.h"
 #include "launch/corpus.h"
 #include "launch/memory_report.h"
 #include "parallel/process_groups.h"
@@ -58,12 +60,12 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   // Weights that are loaded next are only allocated: no random draw, and the
   // loader fills the model's own tensors, so they are in memory once.
-  const framework::WeightInit init = run.model_path.empty()
+  const framework::WeightInit init = run.model_path.empty() && !run.weights_from_checkpoint
                                          ? framework::WeightInit::kRandom
                                          : framework::WeightInit::kUninitialized;
   MOEFIT_ASSIGN_OR_RETURN(
       out.model, framework::MoeModel::Create(run.model, run.runtime, run.train.seed, init));
-  if (!run.model_path.empty()) {
+  if (!run.model_path.empty() && !run.weights_from_checkpoint) {
     checkpoint::LoadReport report;
     MOEFIT_RETURN_IF_ERROR(framework::LoadPretrained(*out.model, run.model_path, &report));
     log << absl::StrFormat("moefit: loaded %s: %d tensors, %.2f GB read by rank 0 in %.1f s",
@@ -75,7 +77,7 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
     }
     log << std::endl;
   }
-  if (!run.lora_init_from.empty()) {
+  if (!run.lora_init_from.empty() && run.resume_from.empty()) {
     MOEFIT_RETURN_IF_ERROR(framework::LoadAdapter(*out.model, run.lora_init_from));
     log << "moefit: loaded the LoRA adapter " << run.lora_init_from << std::endl;
   }
@@ -123,6 +125,16 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
   // otherwise: float32 or frozen experts).
   RunConfig train_run = run;
   train_run.runtime.expert_master_weights = true;
+  // A resumed run takes its trainable tensors from the checkpoint: in full
+  // mode every weight (nothing is drawn or loaded first); under LoRA the
+  // adapters, on the base of model.model_path.
+  std::filesystem::path resume_dir;
+  if (!run.resume_from.empty()) {
+    MOEFIT_ASSIGN_OR_RETURN(resume_dir, framework::ResolveResumeDir(run.resume_from, run.save_dir));
+    // A missing or unreadable manifest stops the run before the model is built.
+    MOEFIT_RETURN_IF_ERROR(checkpoint::ReadManifest(resume_dir).status());
+    train_run.weights_from_checkpoint = !run.runtime.lora.enabled();
+  }
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(train_run, world, log));
   const parallel::ProcessGroups& groups = built.groups;
   std::unique_ptr<framework::MoeModel>& model = built.model;
@@ -170,8 +182,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
                            world->size(), groups.ep_size, local, run.runtime.dispatcher)
         << std::endl;
   }
-  if (world->rank() == 0 && !run.train.metrics_file.empty()) {
-    // A new run starts a new metrics file.
+  if (world->rank() == 0 && !run.train.metrics_file.empty() && resume_dir.empty()) {
+    // A new run starts a new metrics file (a resumed one appends).
     if (std::FILE* f = std::fopen(run.train.metrics_file.c_str(), "w")) {
       std::fclose(f);
     } else {
@@ -180,27 +192,54 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
     }
   }
   framework::Trainer trainer(*model, *data, run.train, &groups);
-  MOEFIT_ASSIGN_OR_RETURN(std::vector<framework::StepStats> stats, trainer.Run(log));
+  if (!resume_dir.empty()) {
+    MOEFIT_ASSIGN_OR_RETURN(
+        int64_t step, framework::LoadTrainingCheckpoint(trainer, resume_dir, &run.model_config));
+    log << "moefit: resumed from " << resume_dir.string() << " after step " << step << std::endl;
+  }
+  // With training checkpoints the end-of-training model goes to
+  // save_dir/final, beside the step-* directories.
+  std::string final_dir = run.save_dir;
+  std::unique_ptr<framework::Checkpointer> checkpointer;
+  if (run.training_checkpoints()) {
+    final_dir = (std::filesystem::path(run.save_dir) / "final").string();
+    framework::CheckpointingOptions ck;
+    ck.save_dir = run.save_dir;
+    ck.save_every_steps = run.save_every_steps;
+    ck.save_every_minutes = run.save_every_minutes;
+    ck.keep_last = run.keep_last;
+    ck.config_text = run.config_text;
+    ck.model_config = run.model_config;
+    checkpointer = std::make_unique<framework::Checkpointer>(trainer, std::move(ck), log);
+    framework::InstallStopSignalHandlers();
+  }
+  MOEFIT_ASSIGN_OR_RETURN(
+      std::vector<framework::StepStats> stats,
+      trainer.Run(log, {}, checkpointer ? checkpointer->Hook() : framework::StepEndHook()));
+  if (checkpointer && checkpointer->stopped()) {
+    log << "moefit: resume with --set checkpoint.resume_from=latest" << std::endl;
+    return absl::OkStatus();
+  }
   if (!stats.empty()) {
     log << absl::StrFormat("done: loss %.4f -> %.4f over %d steps", stats.front().loss,
                            stats.back().loss, stats.size());
     if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
     log << std::endl;
   }
-  if (!run.save_dir.empty() && run.runtime.lora.enabled()) {
+  if (!final_dir.empty() && run.runtime.lora.enabled()) {
     framework::AdapterSaveOptions save;
     save.base_model_name_or_path = run.model_path;
     save.per_expert = run.lora_save_per_expert;
-    MOEFIT_RETURN_IF_ERROR(framework::SaveAdapter(*model, run.save_dir, groups, save));
-    log << "moefit: saved the LoRA adapter to " << run.save_dir << " (PEFT format)" << std::endl;
-  } else if (!run.save_dir.empty()) {
+    MOEFIT_RETURN_IF_ERROR(framework::SaveAdapter(*model, final_dir, groups, save));
+    log << "moefit: saved the LoRA adapter to " << final_dir << " (PEFT format)" << std::endl;
+  } else if (!final_dir.empty()) {
     framework::SaveOptions save;
     save.max_shard_bytes = static_cast<uint64_t>(run.max_shard_bytes);
     save.dtype = run.save_dtype;
     save.base_config_json = run.base_config_json;
     save.copy_files_from = run.model_path;
-    MOEFIT_RETURN_IF_ERROR(framework::SaveHfDirectory(*model, run.save_dir, groups, save));
-    log << "moefit: saved the model to " << run.save_dir << " (Hugging Face format)" << std::endl;
+    MOEFIT_RETURN_IF_ERROR(framework::SaveHfDirectory(*model, final_dir, groups, save));
+    log << "moefit: saved the model to " << final_dir << " (Hugging Face format)" << std::endl;
   }
   return absl::OkStatus();
 }

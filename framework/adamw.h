@@ -69,21 +69,7 @@ class FusedAdamW {
   struct TensorState {
     at::Tensor m, v;
     int64_t step = 0;
-  
-
- private:
-  struct State {
-    at::Tensor m, v;
-    int64_t step = 0;
-    at::Tensor copy;  // bfloat16, written by Step (AttachCopy)
-    uint64_t key = 0;            // stochastic rounding's numbering of the
-    int64_t first_element = 0;   // elements (AttachCopy)
   };
-  std::vector<Group> groups_;
-  std::vector<std::vector<State>> state_;
-  AdamWHyper hyper_;
-  bool fused_;
-};
   const std::vector<Group>& groups() const { return groups_; }
   TensorState tensor_state(size_t g, size_t i) const {
     const State& s = state_[g][i];
@@ -96,6 +82,19 @@ class FusedAdamW {
     s.v = std::move(t.v);
     s.step = t.step;
   }
+
+ private:
+  struct State {
+    at::Tensor m, v;
+    int64_t step = 0;
+    at::Tensor copy;            // bfloat16, written by Step (AttachCopy)
+    uint64_t key = 0;           // stochastic rounding's numbering of the
+    int64_t first_element = 0;  // elements (AttachCopy)
+  };
+  std::vector<Group> groups_;
+  std::vector<std::vector<State>> state_;
+  AdamWHyper hyper_;
+  bool fused_;
 };
 
 // Sum over `tensors` of the squared entries, accumulated in double: one pass

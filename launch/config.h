@@ -72,6 +72,11 @@ struct RunConfig {
   // Frozen-base dtype (lora.base_dtype); nullopt = the checkpoint's.
   std::optional<at::ScalarType> lora_base_dtype;
   bool experts_dtype_set = false;  // experts.dtype given (it then wins for the experts)
+  // Collective deadlines (parallel.timeout_s, parallel.startup_timeout_s).
+  double timeout_s = 300;
+  double startup_timeout_s = 1800;
+  // The resolved config in text format: what every rank of a job must agree on.
+  std::string resolved_config;
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

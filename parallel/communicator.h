@@ -83,9 +83,9 @@ class Work {
   // if it is not OK.
   void WaitOrThrow();
 
-  // What this collective is, for messages: "AllToAllV of 12 KiB on
-  // communicator 'ep' (MPI, rank 1 of 4; world ranks 0-3)". Optional; the
-  // default says only "a collective".
+  // What this collective is, for messages: "AllToAllV on communicator 'ep'
+  // (MPI, rank 1 of 4), world ranks 0-3 (12.0 KiB out, 8.0 KiB in)".
+  // Optional; the default says only "a collective".
   virtual std::string Description() const { return "a collective"; }
 
   // A handle that is already complete with `status`: for collectives that had

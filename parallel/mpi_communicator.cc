@@ -250,12 +250,11 @@ MpiCommunicator::~MpiCommunicator() {
 
 std::string MpiCommunicator::WorkName(absl::string_view op, int64_t send_bytes,
                                       int64_t recv_bytes) const {
-  std::string name(op);
+  std::string name = absl::StrCat(op, " on ", Describe(), ", world ranks ", world_ranks_);
   if (send_bytes > 0 || recv_bytes > 0) {
     absl::StrAppend(&name, " (", FormatBytes(send_bytes), " out, ", FormatBytes(recv_bytes),
                     " in)");
   }
-  absl::StrAppend(&name, " on ", Describe(), ", world ranks ", world_ranks_);
   return name;
 }
 

@@ -79,8 +79,8 @@ class MpiCommunicator final : public Communicator {
   // Takes ownership of `comm`, which already has MPI_ERRORS_RETURN.
   MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options,
                   std::string world_ranks);
-  // "AllToAllV (4.0 KiB out, 2.0 KiB in) on communicator 'ep' (MPI, rank 1 of
-  // 4), world ranks 0-3": what a Work of this communicator reports.
+  // "AllToAllV on communicator 'ep' (MPI, rank 1 of 4), world ranks 0-3 (4.0
+  // KiB out, 2.0 KiB in)": what a Work of this communicator reports.
   std::string WorkName(absl::string_view op, int64_t send_bytes, int64_t recv_bytes) const;
   static absl::StatusOr<std::shared_ptr<MpiCommunicator>> Adopt(MPI_Comm comm,
                                                                 MpiCommunicatorOptions options);

@@ -101,7 +101,7 @@ TEST_F(WatchdogTest, WaiterReportsAPassedDeadlineWithTheOperationAndTheProgress)
   SlowWork("AllReduce(sum) on 'world'", absl::ZeroDuration()).WaitOrThrow();
   const ScopedLayer layer(1);
   const ScopedPhase phase("dispatch");
-  SlowWork never("AllToAllV (1.0 KiB out, 2.0 KiB in) on 'ep'", absl::InfiniteDuration());
+  SlowWork never("AllToAllV on 'ep' (1.0 KiB out, 2.0 KiB in)", absl::InfiniteDuration());
   EXPECT_THROW(never.WaitOrThrow(), c10::Error);
   const std::vector<Report> reports = Reports();
   ASSERT_EQ(reports.size(), 1u);
@@ -110,7 +110,7 @@ TEST_F(WatchdogTest, WaiterReportsAPassedDeadlineWithTheOperationAndTheProgress)
   EXPECT_GE(report.after, absl::Milliseconds(300));
   EXPECT_LT(report.after, absl::Milliseconds(300) + absl::Milliseconds(250));
   EXPECT_THAT(report.message,
-              HasSubstr("collective watchdog: AllToAllV (1.0 KiB out, 2.0 KiB in) on 'ep' did not "
+              HasSubstr("collective watchdog: AllToAllV on 'ep' (1.0 KiB out, 2.0 KiB in) did not "
                         "finish within 300ms (parallel.timeout_s); in training step 3, layer 1, "
                         "dispatch; last completed collective: AllReduce(sum) on 'world' ("));
 }

@@ -18,7 +18,8 @@ namespace moefit::parallel {
 namespace {
 
 constexpr char kGrammar[] =
-    "expected stall:rank=R:step=S, crash:rank=R:step=S or slow:rank=R:ms=M[:step=S]";
+    "expected stall:rank=R:step=S, crash:rank=R:step=S or slow:rank=R:ms=M[:step=S], each "
+    "optionally with :layer=L";
 
 // The fault armed for this process, if any: written once at start-up, before
 // any step runs, and read by the thread that runs the steps.
@@ -33,8 +34,10 @@ absl::Status Invalid(absl::string_view spec, absl::string_view why) {
 }
 
 void Announce(const FaultSpec& fault, absl::string_view what, int64_t step) {
-  std::fprintf(stderr, "moefit: MOEFIT_FAULT: rank %d %s at step %lld (unix time %lld)\n",
-               fault.rank, std::string(what).c_str(), static_cast<long long>(step),
+  const std::string where =
+      fault.layer >= 0 ? absl::StrCat(" in layer ", fault.layer) : std::string();
+  std::fprintf(stderr, "moefit: MOEFIT_FAULT: rank %d %s at step %lld%s (unix time %lld)\n",
+               fault.rank, std::string(what).c_str(), static_cast<long long>(step), where.c_str(),
                static_cast<long long>(absl::ToUnixSeconds(absl::Now())));
   std::fflush(stderr);
 }
@@ -72,6 +75,9 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(absl::string_view spec) {
     } else if (key == "step") {
       if (number < 1) return Invalid(spec, "step must be >= 1 (steps count from 1)");
       fault.step = number;
+    } else if (key == "layer") {
+      if (number < 0) return Invalid(spec, "layer must be >= 0");
+      fault.layer = number;
     } else if (key == "ms" && fault.kind == FaultSpec::Kind::kSlow) {
       if (number < 1) return Invalid(spec, "ms must be >= 1");
       fault.ms = number;
@@ -100,9 +106,11 @@ absl::Status InstallFaultFromEnvironment(int world_rank) {
   return absl::OkStatus();
 }
 
-void MaybeInjectFault(int64_t step) {
+void MaybeInjectFault(int64_t step, int64_t layer) {
   const std::optional<FaultSpec>& fault = Armed();
-  if (!fault.has_value() || (fault->step != 0 && fault->step != step)) return;
+  if (!fault.has_value() || (fault->step != 0 && fault->step != step) || fault->layer != layer) {
+    return;
+  }
   switch (fault->kind) {
     case FaultSpec::Kind::kStall:
       Announce(*fault, "stalls", step);

@@ -11,6 +11,9 @@
 //   MOEFIT_FAULT=slow:rank=1:ms=2000   world rank 1 sleeps 2000 ms at the start
 //                                      of every step (or only step N with
 //                                      :step=N): a slow but live rank.
+// With :layer=L, the fault acts instead where the MoE layer L of that step
+// starts its collectives (ScopedLayer; again in its backward, for slow), so
+// that the peers are left waiting inside that layer's token dispatch.
 // Keys may come in any order; each is required once where shown, nothing else
 // is accepted, and a spec that does not parse is an error, never ignored.
 // The rank prints one line when a fault acts, with the Unix time, so a test
@@ -33,6 +36,7 @@ struct FaultSpec {
   int rank = 0;
   int64_t step = 0;  // 1-based; 0 = every step (slow only)
   int64_t ms = 0;    // slow only
+  int64_t layer = -1;  // decoder layer; -1 = at the start of the step
 };
 
 // Parses one spec (the grammar above); InvalidArgument names what is wrong.
@@ -42,7 +46,8 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(absl::string_view spec);
 // `world_rank`. InvalidArgument, naming the variable, if it does not parse.
 absl::Status InstallFaultFromEnvironment(int world_rank);
 
-// Applies the armed fault if it is due at `step` (called by ScopedStep).
-void MaybeInjectFault(int64_t step);
+// Applies the armed fault if it is due at `step` and `layer` (called by
+// ScopedStep with layer -1, and by ScopedLayer inside a step).
+void MaybeInjectFault(int64_t step, int64_t layer = -1);
 
 }  // namespace moefit::parallel

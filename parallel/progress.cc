@@ -43,7 +43,9 @@ ScopedStep::ScopedStep(int64_t step) {
 ScopedStep::~ScopedStep() { in_step.store(false, std::memory_order_relaxed); }
 
 ScopedLayer::ScopedLayer(int64_t layer_idx)
-    : previous_(current_layer.exchange(layer_idx, std::memory_order_relaxed)) {}
+    : previous_(current_layer.exchange(layer_idx, std::memory_order_relaxed)) {
+  if (InTrainingStep()) MaybeInjectFault(CurrentStep(), layer_idx);
+}
 
 ScopedLayer::~ScopedLayer() { current_layer.store(previous_, std::memory_order_relaxed); }
 

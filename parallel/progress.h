@@ -34,7 +34,8 @@ class ScopedStep {
 };
 
 // Marks decoder layer `layer_idx` as the one whose collectives run now; the
-// previous value comes back at the end of the scope.
+// previous value comes back at the end of the scope. Inside a step, also where
+// a test-only fault given a layer acts.
 class ScopedLayer {
  public:
   explicit ScopedLayer(int64_t layer_idx);

@@ -170,6 +170,10 @@ TEST(FaultSpecTest, ParsesEachKindWithKeysInAnyOrder) {
   EXPECT_EQ(slow->rank, 3);
   EXPECT_EQ(slow->ms, 2000);
   EXPECT_EQ(slow->step, 0);  // every step
+  EXPECT_EQ(slow->layer, -1);  // at the start of the step
+  absl::StatusOr<FaultSpec> in_layer = ParseFaultSpec("stall:rank=1:step=3:layer=2");
+  ASSERT_TRUE(in_layer.ok()) << in_layer.status();
+  EXPECT_EQ(in_layer->layer, 2);
 }
 
 TEST(FaultSpecTest, RejectsEverySpecThatDoesNotParse) {
@@ -184,6 +188,7 @@ TEST(FaultSpecTest, RejectsEverySpecThatDoesNotParse) {
       {"stall:rank=1:step=3:ms=5", "unknown key 'ms' for stall"},
       {"stall:rank=1:step=0", "step must be >= 1"},
       {"stall:rank=1:step", "'step' is not key=value"},
+      {"crash:rank=1:step=2:layer=-1", "layer must be >= 0"},
   };
   for (const auto& [spec, why] : cases) {
     absl::StatusOr<FaultSpec> fault = ParseFaultSpec(spec);

@@ -3,8 +3,8 @@
 // Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, data,
 // checkpoint, ranks that disagree at start-up), each with one message naming
 // what was wrong; `plan` exits 3 when the model does not fit the cluster; 124
-// when a collective did not finish in time (parallel/watchdog.h). Under mpirun every command runs
-// collectively, and any rank's failure ends every rank.
+// when a collective did not finish in time (parallel/watchdog.h). Under mpirun
+// every command runs collectively, and any rank's failure ends every rank.
 #include <ATen/Parallel.h>
 
 #include <cstdlib>

@@ -158,7 +158,7 @@ void AbortAll(int exit_code, std::string_view reason) {
         std::_Exit(exit_code);
       }).detach();
     } catch (const std::system_error&) {
-      // No thread to be had: MPI_Abort alone, as before.
+      // No thread to be had: then MPI_Abort alone.
     }
     // Its code is not checked: there is nothing left to report it to.
     MPI_Abort(MPI_COMM_WORLD, exit_code);

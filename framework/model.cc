@@ -16,6 +16,7 @@
 #include "framework/recompute.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
+#include "parallel/progress.h"
 #include "router/gating.h"
 
 namespace moefit::framework {
@@ -436,6 +437,7 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   // c. Activations to the host, in the experts' dtype.
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
+  const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU));
   // f. Expert compute on this rank's experts (with their adapters under LoRA).
   experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};

@@ -16,6 +16,7 @@
 #include "framework/adamw.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
+#include "parallel/progress.h"
 #include "proto/metrics.pb.h"
 #include "router/gating.h"
 
@@ -157,6 +158,8 @@ int64_t Trainer::global_batch() const {
 }
 
 StepStats Trainer::Step(int64_t step) {
+  // Collectives of the step get parallel.timeout_s, and a watchdog report names the step.
+  const parallel::ScopedStep progress(step + 1);
   Impl& s = *impl_;
   const TrainOptions& o = s.options;
   const ModelOptions& mo = s.model.options();

@@ -8,6 +8,7 @@
 #include <torch/cuda.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -64,7 +65,13 @@ const char kDefaults[] = R"pb(
   schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
   train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
   experts { backend: "grouped" num_threads: 0 }
-  parallel { device: "auto" ep_size: 0 dispatcher: "alltoall" }
+  parallel {
+    device: "auto"
+    ep_size: 0
+    dispatcher: "alltoall"
+    timeout_s: 300
+    startup_timeout_s: 1800
+  }
   checkpoint { max_shard_bytes: 5000000000 }
   logging { log_every: 1 }
 )pb";
@@ -958,6 +965,17 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 "' is unknown (known: ", absl::StrJoin(dispatchers, ", "), ")"));
   }
   run.runtime.dispatcher = c.parallel().dispatcher();
+  for (const auto& [name, seconds] :
+       {std::pair<const char*, double>{"parallel.timeout_s", c.parallel().timeout_s()},
+        {"parallel.startup_timeout_s", c.parallel().startup_timeout_s()}}) {
+    // A deadline is what keeps a job from hanging: it cannot be switched off.
+    if (!(seconds > 0) || !std::isfinite(seconds)) {
+      return Invalid(absl::StrCat(name, " = ", seconds, " must be a positive number of seconds"));
+    }
+  }
+  run.timeout_s = c.parallel().timeout_s();
+  run.startup_timeout_s = c.parallel().startup_timeout_s();
+  pb::TextFormat::PrintToString(c, &run.resolved_config);
 
   run.model_path = c.model().model_path();
   run.base_config_json = c.model().config_json();

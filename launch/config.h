@@ -88,6 +88,11 @@ struct RunConfig {
   proto::ModelConfig model_config;
 
   bool training_checkpoints() const { return save_every_steps > 0 || save_every_minutes > 0; }
+  // Collective deadlines (parallel.timeout_s, parallel.startup_timeout_s).
+  double timeout_s = 300;
+  double startup_timeout_s = 1800;
+  // The resolved config in text format: what every rank of a job must agree on.
+  std::string resolved_config;
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

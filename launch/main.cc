@@ -1,9 +1,10 @@
 // The `moefit` command line: a small subcommand dispatcher; each command's
 // flags are Abseil flags (`--save-logits` and `--save_logits` both work).
 // Exit codes: 0 success, 1 runtime failure, 2 bad input (usage, config, data,
-// checkpoint), each with one message naming what was wrong; `plan` exits 3
-// when the model does not fit the cluster. Under mpirun every command runs
-// collectively, and any rank's failure ends every rank.
+// checkpoint, ranks that disagree at start-up), each with one message naming
+// what was wrong; `plan` exits 3 when the model does not fit the cluster; 124
+// when a collective did not finish in time (parallel/watchdog.h). Under mpirun
+// every command runs collectively, and any rank's failure ends every rank.
 #include <ATen/Parallel.h>
 
 #include <cstdlib>
@@ -33,11 +34,15 @@
 #include "launch/merge_command.h"
 #include "launch/plan_command.h"
 #include "launch/reshard_command.h"
+#include "launch/startup_check.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
+#include "parallel/fault_injection.h"
 #include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_runtime.h"
+#include "parallel/watchdog.h"
+#include "proto/status_macros.h"
 
 ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
@@ -140,7 +145,10 @@ std::string Usage() {
          "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process;\n"
          "      MOEFIT_CPU_ISA (portable, avx2, avx512, avx512_bf16) caps the instruction set\n"
          "      of the expert kernels (default: the widest this CPU has).\n"
-         "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan).\n";
+         "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan),\n"
+         "      124 a collective did not finish within parallel.timeout_s (or\n"
+         "      parallel.startup_timeout_s outside training steps): a rank stalled, crashed\n"
+         "      or was cut off.\n";
 }
 
 bool LaunchedByMpirun() {
@@ -229,9 +237,10 @@ int RunCollective(int* argc, char*** argv,
   } else {
     world = parallel::LocalCommunicator::Create("world");
   }
-  absl::Status s;
+  // Test-only (parallel/fault_injection.h); a spec that does not parse is bad input.
+  absl::Status s = parallel::InstallFaultFromEnvironment(world->rank());
   try {
-    s = body(world);
+    if (s.ok()) s = body(world);
   } catch (const std::exception& e) {
     s = absl::InternalError(e.what());
   }
@@ -367,12 +376,20 @@ int Main(int argc, char** argv) {
     std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
     if (const int* rc = std::get_if<int>(&loaded)) return *rc;
     const RunConfig& run = std::get<RunConfig>(loaded);
+    parallel::ConfigureWatchdog({.timeout = absl::Seconds(run.timeout_s),
+                                 .startup_timeout = absl::Seconds(run.startup_timeout_s)});
     if (cmd == "train") {
-      return RunCollective(&argc, &argv, [&](auto world) { return RunTraining(run, world, std::cout); });
+      return RunCollective(&argc, &argv, [&](auto world) {
+        MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+        return RunTraining(run, world, std::cout);
+      });
     }
     EvalOptions eval{absl::GetFlag(FLAGS_eval_sequences), absl::GetFlag(FLAGS_save_logits),
                      absl::GetFlag(FLAGS_input_ids)};
-    return RunCollective(&argc, &argv, [&](auto world) { return RunEval(run, eval, world, std::cout); });
+    return RunCollective(&argc, &argv, [&](auto world) {
+      MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+      return RunEval(run, eval, world, std::cout);
+    });
   }
   if (cmd == "inspect") {
     if (args.positional.size() != 1) {

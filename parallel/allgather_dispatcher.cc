@@ -4,6 +4,7 @@
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
+#include "parallel/progress.h"
 #include "router/router_parallel.h"
 
 namespace moefit::parallel {
@@ -25,6 +26,7 @@ class AllGatherDispatcher final : public Dispatcher {
   std::string_view name() const override { return "allgather"; }
 
   DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+    ScopedPhase phase("dispatch");
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
     at::Tensor n_all = at::empty({world}, at::kLong);
@@ -53,6 +55,7 @@ class AllGatherDispatcher final : public Dispatcher {
   }
 
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
+    ScopedPhase phase("combine");
     const auto& route = static_cast<const AllGatherRoute&>(r);
     at::Tensor partial = at::zeros({route.num_assignments, y.size(1)}, y.options())
                              .index_add(0, route.assignment_idx, y);

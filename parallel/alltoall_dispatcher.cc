@@ -1,10 +1,10 @@
 // The all-to-all dispatcher (RouterParallel remapping); see dispatcher.h.
 #include <ATen/ATen.h>
 
-
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
+#include "parallel/progress.h"
 #include "router/router_parallel.h"
 
 namespace moefit::parallel {
@@ -26,6 +26,7 @@ class AllToAllDispatcher final : public Dispatcher {
   std::string_view name() const override { return "alltoall"; }
 
   DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+    ScopedPhase phase("dispatch");
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
     // RouterParallel remap: rows grouped by owner, then by its local expert.
@@ -58,6 +59,7 @@ class AllToAllDispatcher final : public Dispatcher {
   }
 
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
+    ScopedPhase phase("combine");
     const auto& route = static_cast<const AllToAllRoute&>(r);
     at::Tensor back = AllToAllRows(*ep_, y, route.recv_rows, route.send_rows);
     return back.index_select(0, route.inverse_order);

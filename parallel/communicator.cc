@@ -12,6 +12,8 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/progress.h"
+#include "parallel/watchdog.h"
 
 namespace moefit::parallel {
 namespace {
@@ -58,7 +60,18 @@ absl::Status Work::Wait(absl::Duration timeout) {
 }
 
 void Work::WaitOrThrow() {
-  const absl::Status status = Wait();
+  const absl::Duration timeout = CollectiveTimeout();
+  absl::Status status;
+  {
+    WatchdogScope watch(Description(), timeout);
+    status = Wait(timeout);
+    if (absl::IsDeadlineExceeded(status)) {
+      // Ends the job (AbortAll) unless a test replaced on_expire.
+      watch.Expire();
+      TORCH_CHECK(false, WatchdogMessage(Description(), timeout));
+    }
+  }
+  if (status.ok()) RecordCompletedCollective(Description());
   TORCH_CHECK(status.ok(), status.ToString());
 }
 

@@ -27,7 +27,8 @@
 // which every moefit entry point does.
 //
 // Threading: a communicator and its Work handles are used from one thread, the
-// one that started MPI (MPI_THREAD_FUNNELED). Every rank of a communicator must
+// one that started MPI (MPI_THREAD_FUNNELED); the watchdog's thread only reads
+// progress and, when a deadline has long passed, aborts. Every rank of a communicator must
 // issue the same collectives in the same order.
 #pragma once
 
@@ -76,9 +77,16 @@ class Work {
   absl::Status Wait(absl::Duration timeout = absl::InfiniteDuration());
 
   // Blocking convenience for code that reports errors by exception (autograd
-  // functions): Wait(), then throws c10::Error with the status message if it
-  // is not OK.
+  // functions): waits at most CollectiveTimeout() (parallel/watchdog.h), with
+  // the watchdog armed; a collective still running then ends the job with the
+  // watchdog's message. Otherwise throws c10::Error with the status message
+  // if it is not OK.
   void WaitOrThrow();
+
+  // What this collective is, for messages: "AllToAllV on communicator 'ep'
+  // (MPI, rank 1 of 4), world ranks 0-3 (12.0 KiB out, 8.0 KiB in)".
+  // Optional; the default says only "a collective".
+  virtual std::string Description() const { return "a collective"; }
 
   // A handle that is already complete with `status`: for collectives that had
   // nothing to move, and for failures detected before anything was posted.

@@ -6,6 +6,8 @@
 
 #include <numeric>
 
+#include "parallel/progress.h"
+
 namespace moefit::parallel {
 namespace {
 
@@ -42,17 +44,28 @@ at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vec
   return sum.narrow(0, begin, rows[comm.rank()]).clone();
 }
 
+// The layer and phase of the forward collective, so that a watchdog report
+// from its backward (run later, maybe on autograd's thread) names them too.
+void SaveProgress(AutogradContext* ctx) {
+  ctx->saved_data["layer"] = CurrentLayer();
+  ctx->saved_data["phase"] = reinterpret_cast<int64_t>(CurrentPhase());
+}
+
 class AllToAllRowsFn : public torch::autograd::Function<AllToAllRowsFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
                             const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
     ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    SaveProgress(ctx);
     ctx->saved_data["send"] = send;
     ctx->saved_data["recv"] = recv;
     return RunAllToAll(*comm, x, send, recv);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
+    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
+                            /*backward=*/true);
     return {RunAllToAll(*comm, grads[0], ctx->saved_data["recv"].toIntVector(),
                         ctx->saved_data["send"].toIntVector()),
             at::Tensor(), at::Tensor(), at::Tensor()};
@@ -64,11 +77,15 @@ class AllGatherRowsFn : public torch::autograd::Function<AllGatherRowsFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
                             const std::vector<int64_t>& rows) {
     ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    SaveProgress(ctx);
     ctx->saved_data["rows"] = rows;
     return RunAllGather(*comm, x, rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
+    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
+                            /*backward=*/true);
     return {RunSumKeepOwn(*comm, grads[0], ctx->saved_data["rows"].toIntVector()), at::Tensor(),
             at::Tensor()};
   }
@@ -79,11 +96,15 @@ class SumKeepOwnRowsFn : public torch::autograd::Function<SumKeepOwnRowsFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
                             const std::vector<int64_t>& rows) {
     ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+    SaveProgress(ctx);
     ctx->saved_data["rows"] = rows;
     return RunSumKeepOwn(*comm, x, rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
+    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
+                            /*backward=*/true);
     return {RunAllGather(*comm, grads[0], ctx->saved_data["rows"].toIntVector()), at::Tensor(),
             at::Tensor()};
   }

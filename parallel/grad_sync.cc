@@ -5,11 +5,14 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/tensor_flatten.h>
 
+#include "parallel/progress.h"
+
 namespace moefit::parallel {
 
 void AllReduceSum(Communicator& comm, const std::vector<at::Tensor>& tensors,
                   const GradSyncOptions& options) {
   if (comm.size() == 1) return;
+  const ScopedPhase phase("gradient all-reduce");
   std::vector<at::Tensor> defined;
   for (const at::Tensor& t : tensors) {
     if (t.defined()) defined.push_back(t);

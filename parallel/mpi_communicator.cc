@@ -18,9 +18,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/clock.h"
 #include "parallel/internal/collective_checks.h"
 #include "parallel/internal/mpi_util.h"
+#include "parallel/watchdog.h"
 
 namespace moefit::parallel {
 namespace {
@@ -47,6 +50,19 @@ absl::Status TestAll(std::vector<MPI_Request>& requests, bool* done) {
       MPI_Testall(static_cast<int>(requests.size()), requests.data(), &flag, MPI_STATUSES_IGNORE));
   *done = flag != 0;
   return absl::OkStatus();
+}
+
+// Polls of a waiting collective before each further poll sleeps.
+constexpr int kSpinPolls = 1000;
+
+// "12 B", "4.0 KiB", "1.5 MiB": sizes for messages.
+std::string FormatBytes(int64_t bytes) {
+  if (bytes < 1024) return absl::StrCat(bytes, " B");
+  const char* const units[] = {"KiB", "MiB", "GiB", "TiB"};
+  double value = static_cast<double>(bytes) / 1024;
+  int unit = 0;
+  for (; value >= 1024 && unit < 3; ++unit) value /= 1024;
+  return absl::StrFormat("%.1f %s", value, units[unit]);
 }
 
 class MpiWork final : public Work {
@@ -91,17 +107,22 @@ class MpiWork final : public Work {
       return status_;
     }
     const absl::Time deadline = absl::Now() + timeout;
-    while (!IsCompleted()) {
+    for (int num_polls = 1; !IsCompleted(); ++num_polls) {
       if (absl::Now() >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(what_, " did not finish within ",
                                                         absl::FormatDuration(timeout),
                                                         "; a peer is late, stuck or gone"));
       }
-      // Polling keeps MPI progressing; 50 us costs little next to a collective.
-      absl::SleepFor(absl::Microseconds(50));
+      // Polling keeps MPI progressing. The first polls come back to back, as
+      // inside MPI_Waitall, so that a collective about to finish is not
+      // delayed; after them, 50 us of sleep costs little next to the
+      // collective and leaves the core to the rank's other threads.
+      if (num_polls > kSpinPolls) absl::SleepFor(absl::Microseconds(50));
     }
     return status_;
   }
+
+  std::string Description() const override { return what_; }
 
  private:
   void Finish(absl::Status status) {
@@ -154,10 +175,40 @@ char* BytePointer(const at::Tensor& tensor) { return static_cast<char*>(tensor.d
 
 }  // namespace
 
+namespace {
+
+// "0-3" or "0,2,4,6": which ranks of MPI_COMM_WORLD `comm` holds, so that a
+// message about a group names processes a user can find in mpirun's output.
+absl::Status WorldRanksOf(MPI_Comm comm, int size, std::string* out) {
+  MPI_Group group = MPI_GROUP_NULL;
+  MPI_Group world_group = MPI_GROUP_NULL;
+  MOEFIT_CHECK_FOREIGN(MPI_Comm_group(comm, &group));
+  MOEFIT_CHECK_FOREIGN(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  std::vector<int> ranks(size);
+  std::vector<int> world_ranks(size);
+  for (int i = 0; i < size; ++i) ranks[i] = i;
+  const int translated =
+      MPI_Group_translate_ranks(group, size, ranks.data(), world_group, world_ranks.data());
+  MOEFIT_CHECK_FOREIGN(MPI_Group_free(&group));
+  MOEFIT_CHECK_FOREIGN(MPI_Group_free(&world_group));
+  MOEFIT_CHECK_FOREIGN(translated);
+  bool consecutive = true;
+  for (int i = 1; i < size; ++i) consecutive &= world_ranks[i] == world_ranks[i - 1] + 1;
+  *out = consecutive && size > 1 ? absl::StrCat(world_ranks.front(), "-", world_ranks.back())
+                                 : absl::StrJoin(world_ranks, ",");
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::shared_ptr<MpiCommunicator>> MpiCommunicator::Create(
     MPI_Comm base, const MpiCommunicatorOptions& options) {
   MPI_Comm comm = MPI_COMM_NULL;
-  MOEFIT_CHECK_FOREIGN(MPI_Comm_dup(base, &comm));
+  {
+    // Blocking and collective: a missing peer would hang it for ever.
+    WatchdogScope watch(absl::StrCat("MPI_Comm_dup creating communicator '", options.name, "'"));
+    MOEFIT_CHECK_FOREIGN(MPI_Comm_dup(base, &comm));
+  }
   return Adopt(comm, options);
 }
 
@@ -165,11 +216,12 @@ absl::StatusOr<std::shared_ptr<MpiCommunicator>> MpiCommunicator::Adopt(
     MPI_Comm comm, MpiCommunicatorOptions options) {
   int rank = 0;
   int size = 0;
+  std::string world_ranks;
   const absl::Status status = [&]() -> absl::Status {
     MOEFIT_CHECK_FOREIGN(MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN));
     MOEFIT_CHECK_FOREIGN(MPI_Comm_rank(comm, &rank));
     MOEFIT_CHECK_FOREIGN(MPI_Comm_size(comm, &size));
-    return absl::OkStatus();
+    return WorldRanksOf(comm, size, &world_ranks);
   }();
   if (!status.ok()) {
     // Best effort on a communicator that is already failing; the first error
@@ -180,16 +232,30 @@ absl::StatusOr<std::shared_ptr<MpiCommunicator>> MpiCommunicator::Adopt(
   TORCH_CHECK(options.max_elements_per_call > 0,
               "MpiCommunicatorOptions.max_elements_per_call must be positive");
   return std::shared_ptr<MpiCommunicator>(
-      new MpiCommunicator(comm, rank, size, std::move(options)));
+      new MpiCommunicator(comm, rank, size, std::move(options), std::move(world_ranks)));
 }
 
-MpiCommunicator::MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options)
-    : Communicator(rank, size, options.name), comm_(comm), options_(std::move(options)) {}
+MpiCommunicator::MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options,
+                                 std::string world_ranks)
+    : Communicator(rank, size, options.name),
+      comm_(comm),
+      options_(std::move(options)),
+      world_ranks_(std::move(world_ranks)) {}
 
 MpiCommunicator::~MpiCommunicator() {
   const absl::Status status = Free();
   if (!status.ok())
     std::fprintf(stderr, "moefit: freeing %s: %s\n", Describe().c_str(), status.ToString().c_str());
+}
+
+std::string MpiCommunicator::WorkName(absl::string_view op, int64_t send_bytes,
+                                      int64_t recv_bytes) const {
+  std::string name = absl::StrCat(op, " on ", Describe(), ", world ranks ", world_ranks_);
+  if (send_bytes > 0 || recv_bytes > 0) {
+    absl::StrAppend(&name, " (", FormatBytes(send_bytes), " out, ", FormatBytes(recv_bytes),
+                    " in)");
+  }
+  return name;
 }
 
 int64_t MpiCommunicator::MaxCountPerCall() const {
@@ -216,7 +282,8 @@ std::shared_ptr<Work> Post(std::string what, const std::function<absl::Status(Pe
 std::shared_ptr<Work> MpiCommunicator::AllToAllCounts(const at::Tensor& send_counts,
                                                       const at::Tensor& recv_counts) {
   internal::CheckAllToAllCounts(*this, send_counts, recv_counts);
-  return Post(absl::StrCat("AllToAllCounts on ", Describe()),
+  const std::string what = WorkName("AllToAllCounts", send_counts.nbytes(), recv_counts.nbytes());
+  return Post(what,
               [&](PendingMpi& pending) -> absl::Status {
                 const absl::StatusOr<int> per_peer =
                     ToIntCount(send_counts.numel() / size(), "AllToAllCounts");
@@ -234,7 +301,8 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
                                                  const at::Tensor& recv,
                                                  absl::Span<const int64_t> recv_row_counts) {
   internal::CheckAllToAllV(*this, send, send_row_counts, recv, recv_row_counts);
-  return Post(absl::StrCat("AllToAllV on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+  const std::string what = WorkName("AllToAllV", send.nbytes(), recv.nbytes());
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
     const int64_t row_bytes = internal::RowBytes(send);
     if (row_bytes == 0)
       return absl::OkStatus();  // rows of zero elements: nothing to move on any rank
@@ -260,7 +328,9 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
 
 std::shared_ptr<Work> MpiCommunicator::AllReduce(const at::Tensor& tensor, ReduceOp op) {
   internal::CheckAllReduce(*this, tensor);
-  return Post(absl::StrCat("AllReduce(", ReduceOpName(op), ") on ", Describe()),
+  const std::string what =
+      WorkName(absl::StrCat("AllReduce(", ReduceOpName(op), ")"), tensor.nbytes(), tensor.nbytes());
+  return Post(what,
               [&](PendingMpi& pending) -> absl::Status {
                 at::Tensor buffer = tensor;
                 if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
@@ -286,7 +356,8 @@ std::shared_ptr<Work> MpiCommunicator::AllReduce(const at::Tensor& tensor, Reduc
 
 std::shared_ptr<Work> MpiCommunicator::AllGather(const at::Tensor& send, const at::Tensor& recv) {
   internal::CheckAllGather(*this, send, recv);
-  return Post(absl::StrCat("AllGather on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+  const std::string what = WorkName("AllGather", send.nbytes(), recv.nbytes());
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
     const int64_t row_bytes = internal::RowBytes(send);
     if (row_bytes == 0 || send.size(0) == 0) return absl::OkStatus();  // the same on every rank
     internal::ScopedRowType row_type;
@@ -305,7 +376,8 @@ std::shared_ptr<Work> MpiCommunicator::AllGather(const at::Tensor& send, const a
 std::shared_ptr<Work> MpiCommunicator::AllGatherV(const at::Tensor& send, const at::Tensor& recv,
                                                   absl::Span<const int64_t> recv_row_counts) {
   internal::CheckAllGatherV(*this, send, recv, recv_row_counts);
-  return Post(absl::StrCat("AllGatherV on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+  const std::string what = WorkName("AllGatherV", send.nbytes(), recv.nbytes());
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
     const int64_t row_bytes = internal::RowBytes(send);
     if (row_bytes == 0) return absl::OkStatus();
     internal::ScopedRowType row_type;
@@ -325,7 +397,9 @@ std::shared_ptr<Work> MpiCommunicator::AllGatherV(const at::Tensor& send, const 
 
 std::shared_ptr<Work> MpiCommunicator::Broadcast(const at::Tensor& tensor, int root_rank) {
   internal::CheckBroadcast(*this, tensor, root_rank);
-  return Post(absl::StrCat("Broadcast from rank ", root_rank, " on ", Describe()),
+  const std::string what =
+      WorkName(absl::StrCat("Broadcast from rank ", root_rank), tensor.nbytes(), tensor.nbytes());
+  return Post(what,
               [&](PendingMpi& pending) -> absl::Status {
                 // Raw data, no arithmetic: any dtype travels as same-width integers.
                 int64_t unit_bytes = 1;
@@ -344,7 +418,7 @@ std::shared_ptr<Work> MpiCommunicator::Broadcast(const at::Tensor& tensor, int r
 }
 
 std::shared_ptr<Work> MpiCommunicator::Barrier() {
-  return Post(absl::StrCat("Barrier on ", Describe()), [&](PendingMpi& pending) -> absl::Status {
+  return Post(WorkName("Barrier", 0, 0), [&](PendingMpi& pending) -> absl::Status {
     MOEFIT_CHECK_FOREIGN(MPI_Ibarrier(comm_, &pending.requests.emplace_back()));
     return absl::OkStatus();
   });
@@ -353,7 +427,10 @@ std::shared_ptr<Work> MpiCommunicator::Barrier() {
 absl::StatusOr<std::shared_ptr<Communicator>> MpiCommunicator::Split(int color, int key,
                                                                      std::string name) {
   MPI_Comm sub_comm = MPI_COMM_NULL;
-  MOEFIT_CHECK_FOREIGN(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub_comm));
+  {
+    WatchdogScope watch(absl::StrCat("MPI_Comm_split of ", Describe()));
+    MOEFIT_CHECK_FOREIGN(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &sub_comm));
+  }
   if (sub_comm == MPI_COMM_NULL) return std::shared_ptr<Communicator>();
   MpiCommunicatorOptions sub_options = options_;
   sub_options.name = name.empty() ? absl::StrCat(this->name(), "/", color) : std::move(name);

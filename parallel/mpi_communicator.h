@@ -32,6 +32,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "parallel/communicator.h"
 
 namespace moefit::parallel {
@@ -76,7 +77,11 @@ class MpiCommunicator final : public Communicator {
 
  private:
   // Takes ownership of `comm`, which already has MPI_ERRORS_RETURN.
-  MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options);
+  MpiCommunicator(MPI_Comm comm, int rank, int size, MpiCommunicatorOptions options,
+                  std::string world_ranks);
+  // "AllToAllV on communicator 'ep' (MPI, rank 1 of 4), world ranks 0-3 (4.0
+  // KiB out, 2.0 KiB in)": what a Work of this communicator reports.
+  std::string WorkName(absl::string_view op, int64_t send_bytes, int64_t recv_bytes) const;
   static absl::StatusOr<std::shared_ptr<MpiCommunicator>> Adopt(MPI_Comm comm,
                                                                 MpiCommunicatorOptions options);
   absl::Status Free();
@@ -85,6 +90,8 @@ class MpiCommunicator final : public Communicator {
 
   MPI_Comm comm_;
   const MpiCommunicatorOptions options_;
+  // Which ranks of MPI_COMM_WORLD this group holds, for messages ("0-3").
+  const std::string world_ranks_;
 };
 
 }  // namespace moefit::parallel

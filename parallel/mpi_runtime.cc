@@ -7,16 +7,22 @@
 #include <cstdlib>
 #include <exception>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "parallel/internal/mpi_util.h"
+#include "parallel/watchdog.h"
 
 namespace moefit::parallel {
 namespace {
 
 // Exit code for an exception that escaped to std::terminate.
 constexpr int kTerminateExitCode = 134;
+
+// How long MPI_Abort gets to end the job before the aborting process exits by
+// itself (well inside the watchdog's bound of timeout + 15 s).
+constexpr std::chrono::seconds kAbortExitAfter{10};
 
 std::atomic<bool> abort_started{false};
 
@@ -112,7 +118,13 @@ MpiRuntime::MpiRuntime(bool owns_mpi, int world_rank, int world_size, int thread
 
 MpiRuntime::~MpiRuntime() {
   if (!owns_mpi_) return;
-  const absl::Status status = Finalize();
+  absl::Status status;
+  {
+    // MPI_Finalize waits for the other ranks in some MPIs: a rank that never
+    // arrives must not hang this one.
+    WatchdogScope watch("MPI_Finalize");
+    status = Finalize();
+  }
   if (!status.ok())
     std::fprintf(stderr, "moefit: rank %d: %s\n", world_rank_, status.ToString().c_str());
 }
@@ -136,10 +148,21 @@ void AbortAll(int exit_code, std::string_view reason) {
   std::fflush(stdout);
   std::fputs(line.c_str(), stderr);
   std::fflush(stderr);
-  // MPI_Abort does not return; its code is not checked because there is nothing
-  // left to report it to. If MPI was not running (or it did return), at least
-  // this process ends.
-  if (mpi_running) MPI_Abort(MPI_COMM_WORLD, exit_code);
+  if (mpi_running) {
+    // MPI_Abort asks mpirun to end every rank; if this host has lost contact
+    // with mpirun, that request may never arrive nor the call return. Then
+    // this process at least ends by itself, non-zero, a little later.
+    try {
+      std::thread([exit_code] {
+        std::this_thread::sleep_for(kAbortExitAfter);
+        std::_Exit(exit_code);
+      }).detach();
+    } catch (const std::system_error&) {
+      // No thread to be had: then MPI_Abort alone.
+    }
+    // Its code is not checked: there is nothing left to report it to.
+    MPI_Abort(MPI_COMM_WORLD, exit_code);
+  }
   std::_Exit(exit_code);
 }
 

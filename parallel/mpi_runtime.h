@@ -63,8 +63,11 @@ class MpiRuntime {
 // then kills all ranks and exits non-zero. Callable from any thread, a
 // watchdog included (MPI_Abort is the one MPI call moefit makes off the MPI
 // thread; Open MPI honours it under MPI_THREAD_FUNNELED), and before MPI has
-// started or after it has finished (then it exits this process only). A concurrent second caller prints nothing. exit_code 0
-// is replaced by 1: an abort is never a success.
+// started or after it has finished (then it exits this process only). Should
+// MPI_Abort not end the process within 10 s (this host lost contact with
+// mpirun), the process exits by itself with exit_code. A concurrent second
+// caller prints nothing. exit_code 0 is replaced by 1: an abort is never a
+// success.
 [[noreturn]] void AbortAll(int exit_code, std::string_view reason);
 
 }  // namespace moefit::parallel

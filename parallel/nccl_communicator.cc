@@ -219,6 +219,8 @@ class NcclWork final : public Work {
     return status_;
   }
 
+  std::string Description() const override { return what_; }
+
  private:
   const std::string what_;
   const std::shared_ptr<ncclComm> comm_;

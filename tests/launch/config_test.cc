@@ -276,6 +276,24 @@ TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
                    "attention (set it to null)");
 }
 
+TEST(Config, CollectiveDeadlines) {
+  absl::StatusOr<RunConfig> defaults = Resolve("", {});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_DOUBLE_EQ(defaults->timeout_s, 300);
+  EXPECT_DOUBLE_EQ(defaults->startup_timeout_s, 1800);
+  absl::StatusOr<RunConfig> set =
+      Resolve("", {"parallel.timeout_s=2.5", "parallel.startup_timeout_s=60"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_DOUBLE_EQ(set->timeout_s, 2.5);
+  EXPECT_DOUBLE_EQ(set->startup_timeout_s, 60);
+  // What every rank compares at start-up: the resolved config, overrides included.
+  EXPECT_NE(set->resolved_config.find("timeout_s: 2.5"), std::string::npos) << set->resolved_config;
+  EXPECT_EQ(ErrorOf("", {"parallel.timeout_s=0"}),
+            "parallel.timeout_s = 0 must be a positive number of seconds");
+  EXPECT_EQ(ErrorOf("", {"parallel.startup_timeout_s=-5"}),
+            "parallel.startup_timeout_s = -5 must be a positive number of seconds");
+}
+
 TEST(ConfigErrors, RouterSettings) {
   const std::vector<std::string> ds = {"model.model_type=deepseek_v3", "model.q_lora_rank=16",
                                        "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",

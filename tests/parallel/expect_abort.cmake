@@ -3,6 +3,9 @@
 # passes on the MPI_Abort code, or another non-zero one: any counts), within
 # MAX_SECONDS (a hang is the failure this guards against), with output matching
 # EXPECT_REGEX exactly once (the reason is printed once, not by every rank).
+# Optionally, MARK_REGEX with one capture group matching a Unix time in the
+# output (when the fault struck) and MAX_SECONDS_AFTER_MARK: the job must also
+# have ended within that many seconds of the mark.
 #   cmake -DCMD=... -DMAX_SECONDS=30 -DEXPECT_REGEX=... -P expect_abort.cmake
 string(TIMESTAMP start_s "%s" UTC)
 execute_process(COMMAND ${CMD} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
@@ -20,9 +23,22 @@ endif()
 if(elapsed_s GREATER_EQUAL MAX_SECONDS)
   message(FATAL_ERROR "took ${elapsed_s} s, limit ${MAX_SECONDS} s; output:\n${all}")
 endif()
-string(REGEX MATCHALL "${EXPECT_REGEX}" matches "${all}")
+# Matches are counted as a list: a ';' in the text would split one into two.
+string(REPLACE ";" "<semicolon>" all_escaped "${all}")
+string(REPLACE ";" "<semicolon>" regex_escaped "${EXPECT_REGEX}")
+string(REGEX MATCHALL "${regex_escaped}" matches "${all_escaped}")
 list(LENGTH matches num_matches)
 if(NOT num_matches EQUAL 1)
   message(FATAL_ERROR "output matches '${EXPECT_REGEX}' ${num_matches} times, expected once:\n${all}")
+endif()
+if(DEFINED MARK_REGEX)
+  if(NOT all MATCHES "${MARK_REGEX}")
+    message(FATAL_ERROR "output does not match the mark '${MARK_REGEX}':\n${all}")
+  endif()
+  math(EXPR after_mark_s "${end_s} - ${CMAKE_MATCH_1}")
+  if(after_mark_s GREATER MAX_SECONDS_AFTER_MARK)
+    message(FATAL_ERROR "ended ${after_mark_s} s after the mark, limit ${MAX_SECONDS_AFTER_MARK} s:\n${all}")
+  endif()
+  set(elapsed_s "${elapsed_s} (${after_mark_s} after the mark)")
 endif()
 message(STATUS "ok: exit ${rc} after ${elapsed_s} s; output:\n${all}")

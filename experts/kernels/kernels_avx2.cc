@@ -79,7 +79,7 @@ const PackedKernels& Avx2F32Kernels() {
                                kMr,
                                kNr,
                                /*kb=*/256,
-                               /*nb=*/1024,
+                               /*nb=*/2048,
                                /*mb=*/96,
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,

@@ -85,7 +85,7 @@ const PackedKernels& Avx512F32Kernels() {
                                kMr,
                                kNr,
                                /*kb=*/256,
-                               /*nb=*/1024,
+                               /*nb=*/2048,
                                /*mb=*/96,
                                /*pairs=*/false,
                                &PackAGeneric<kMr, false>,

@@ -160,7 +160,7 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                kMr,
                                kNr,
                                /*kb=*/512,
-                               /*nb=*/1024,
+                               /*nb=*/2048,
                                /*mb=*/96,
                                /*pairs=*/true,
                                &PackAGeneric<kMr, true>,

@@ -975,7 +975,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   }
   run.timeout_s = c.parallel().timeout_s();
   run.startup_timeout_s = c.parallel().startup_timeout_s();
-  pb::TextFormat::PrintToString(c, &run.resolved_config);
 
   run.model_path = c.model().model_path();
   run.base_config_json = c.model().config_json();

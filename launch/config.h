@@ -82,8 +82,9 @@ struct RunConfig {
   // The weights come from the resumed checkpoint: the model is only allocated
   // (set by the train command when resuming in full mode).
   bool weights_from_checkpoint = false;
-  // The resolved config as text, and its model section (recorded in training
-  // checkpoints, and compared on resume).
+  // The resolved config as text (recorded in training checkpoints, and what
+  // every rank of a job must agree on), and its model section (compared on
+  // resume).
   std::string config_text;
   proto::ModelConfig model_config;
 
@@ -91,8 +92,6 @@ struct RunConfig {
   // Collective deadlines (parallel.timeout_s, parallel.startup_timeout_s).
   double timeout_s = 300;
   double startup_timeout_s = 1800;
-  // The resolved config in text format: what every rank of a job must agree on.
-  std::string resolved_config;
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

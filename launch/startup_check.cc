@@ -54,7 +54,7 @@ std::string FlattenTextFormat(const std::string& text) {
 std::vector<parallel::JobFact> StartupFacts(const RunConfig& run, const std::string& version) {
   return {
       {"moefit version", version},
-      {"resolved config", FlattenTextFormat(run.resolved_config)},
+      {"resolved config", FlattenTextFormat(run.config_text)},
       {"checkpoint (model.model_path)", DirectoryIdentity(run.model_path)},
       {"LoRA adapter (lora.init_from / lora.adapter_path)", DirectoryIdentity(run.lora_init_from)},
   };

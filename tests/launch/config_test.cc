@@ -287,7 +287,7 @@ TEST(Config, CollectiveDeadlines) {
   EXPECT_DOUBLE_EQ(set->timeout_s, 2.5);
   EXPECT_DOUBLE_EQ(set->startup_timeout_s, 60);
   // What every rank compares at start-up: the resolved config, overrides included.
-  EXPECT_NE(set->resolved_config.find("timeout_s: 2.5"), std::string::npos) << set->resolved_config;
+  EXPECT_NE(set->config_text.find("timeout_s: 2.5"), std::string::npos) << set->config_text;
   EXPECT_EQ(ErrorOf("", {"parallel.timeout_s=0"}),
             "parallel.timeout_s = 0 must be a positive number of seconds");
   EXPECT_EQ(ErrorOf("", {"parallel.startup_timeout_s=-5"}),

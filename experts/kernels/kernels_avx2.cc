@@ -56,20 +56,7 @@ void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, i
            int rows, int cols, bool accumulate) {
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  switch (rows) {
-    case 1:
-      return MicroRows<1>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 2:
-      return MicroRows<2>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 3:
-      return MicroRows<3>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 4:
-      return MicroRows<4>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 5:
-      return MicroRows<5>(k_size, ap, bp, c, ldc, cols, accumulate);
-    default:
-      return MicroRows<6>(k_size, ap, bp, c, ldc, cols, accumulate);
-  }
+  WithRows<kMr>(rows, [&]<int R>() { MicroRows<R>(k_size, ap, bp, c, ldc, cols, accumulate); });
 }
 
 }  // namespace

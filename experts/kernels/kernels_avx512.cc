@@ -30,52 +30,14 @@ inline void MicroRows(int64_t k_size, const float* ap, const float* bp, float* c
       acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
     }
   }
-  const __mmask16 m0 = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
-  const __mmask16 m1 = cols >= 32  ? __mmask16(0xffff)
-                       : cols > 16 ? __mmask16((1u << (cols - 16)) - 1)
-                                   : __mmask16(0);
-#pragma GCC unroll 16
-  for (int r = 0; r < kRows; ++r) {
-    float* row = c + r * ldc;
-    if (accumulate) {
-      acc0[r] = _mm512_add_ps(acc0[r], _mm512_maskz_loadu_ps(m0, row));
-      acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(m1, row + 16));
-    }
-    _mm512_mask_storeu_ps(row, m0, acc0[r]);
-    _mm512_mask_storeu_ps(row + 16, m1, acc1[r]);
-  }
+  StoreRows32<kRows>(acc0, acc1, c, ldc, cols, accumulate);
 }
 
 void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
            int rows, int cols, bool accumulate) {
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  switch (rows) {
-    case 1:
-      return MicroRows<1>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 2:
-      return MicroRows<2>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 3:
-      return MicroRows<3>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 4:
-      return MicroRows<4>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 5:
-      return MicroRows<5>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 6:
-      return MicroRows<6>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 7:
-      return MicroRows<7>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 8:
-      return MicroRows<8>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 9:
-      return MicroRows<9>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 10:
-      return MicroRows<10>(k_size, ap, bp, c, ldc, cols, accumulate);
-    case 11:
-      return MicroRows<11>(k_size, ap, bp, c, ldc, cols, accumulate);
-    default:
-      return MicroRows<12>(k_size, ap, bp, c, ldc, cols, accumulate);
-  }
+  WithRows<kMr>(rows, [&]<int R>() { MicroRows<R>(k_size, ap, bp, c, ldc, cols, accumulate); });
 }
 
 }  // namespace

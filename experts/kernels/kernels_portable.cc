@@ -29,20 +29,7 @@ void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, i
   float tile[kMr * kNr];
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  switch (rows) {
-    case 1:
-      MicroRows<1>(k_size, ap, bp, tile);
-      break;
-    case 2:
-      MicroRows<2>(k_size, ap, bp, tile);
-      break;
-    case 3:
-      MicroRows<3>(k_size, ap, bp, tile);
-      break;
-    default:
-      MicroRows<4>(k_size, ap, bp, tile);
-      break;
-  }
+  WithRows<kMr>(rows, [&]<int R>() { MicroRows<R>(k_size, ap, bp, tile); });
   StoreTile<kNr>(tile, c, ldc, rows, cols, accumulate);
 }
 

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 #include "experts/kernels/gemm.h"
 
@@ -224,6 +225,17 @@ void PackBGeneric(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int6
       }
     }
   });
+}
+
+// Calls fn.template operator()<R>() with R = rows, for rows in 1..kMax, so a
+// microkernel's row count is a compile-time constant (its accumulators stay
+// in registers).
+template <int kMax, typename Fn>
+inline void WithRows(int rows, const Fn& fn) {
+  [&]<int... R>(std::integer_sequence<int, R...>) {
+    (void)((rows == R + 1 ? (fn.template operator()<R + 1>(), true) : false) || ...);
+  }
+  (std::make_integer_sequence<int, kMax>());
 }
 
 // Writes a finished kMr x kNr float32 tile (row stride kNr) into C's first

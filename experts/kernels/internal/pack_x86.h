@@ -118,6 +118,27 @@ inline VecF LoadF(const void* data, int64_t idx) {
   }
 }
 
+// Stores (or adds, when accumulating) kRows rows of two 16-lane halves into
+// C's first `cols` columns, masking the tail: the 12 x 32 microkernels' end.
+template <int kRows>
+inline void StoreRows32(__m512 acc0[], __m512 acc1[], float* c, int64_t ldc, int cols,
+                        bool accumulate) {
+  const __mmask16 m0 = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
+  const __mmask16 m1 = cols >= 32  ? __mmask16(0xffff)
+                       : cols > 16 ? __mmask16((1u << (cols - 16)) - 1)
+                                   : __mmask16(0);
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+    float* row = c + r * ldc;
+    if (accumulate) {
+      acc0[r] = _mm512_add_ps(acc0[r], _mm512_maskz_loadu_ps(m0, row));
+      acc1[r] = _mm512_add_ps(acc1[r], _mm512_maskz_loadu_ps(m1, row + 16));
+    }
+    _mm512_mask_storeu_ps(row, m0, acc0[r]);
+    _mm512_mask_storeu_ps(row + 16, m1, acc1[r]);
+  }
+}
+
 inline void Transpose(VecF r[kVl]) {
   __m512 t[16], u[16];
   for (int i = 0; i < 8; ++i) {

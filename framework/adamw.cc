@@ -39,7 +39,7 @@ inline uint16_t RoundBf16(float w, bool stochastic, uint32_t r) {
   std::memcpy(&u, &w, sizeof u);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
   if (stochastic) return static_cast<uint16_t>((u + r) >> 16);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  return c10::BFloat16(w).x;  // to nearest even
 }
 
 }  // namespace

@@ -8,7 +8,9 @@
 // is read and converted once per call, whatever the number of rows.
 #include "experts/kernels/gemm.h"
 
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Float8_e4m3fn.h>
 
 #include <algorithm>
 #include <cmath>
@@ -59,18 +61,12 @@ float* Grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-uint16_t RoundToBf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+// c10's conversions: the reference the kernels' own (pack_common.h) are
+// tested against.
+uint16_t RoundToBf16(float f) { return c10::BFloat16(f).x; }
 
 float FromBf16(uint16_t b) {
-  const uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
+  return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
 }
 
 void CheckOperand(const Operand& op, const char* name) {
@@ -90,16 +86,7 @@ float ElementValue(const Operand& op, int64_t i, int64_t j) {
       return FromBf16(static_cast<const uint16_t*>(op.data)[idx]);
     case ElemType::kF8E4M3: {
       const uint8_t b = static_cast<const uint8_t*>(op.data)[idx];
-      const uint32_t e = (b >> 3) & 0xfu, m = b & 0x7u;
-      float v;
-      if ((b & 0x7fu) == 0x7fu) {
-        v = std::numeric_limits<float>::quiet_NaN();
-      } else if (e == 0) {
-        v = static_cast<float>(m) / 512.0f;
-      } else {
-        v = std::ldexp(1.0f + static_cast<float>(m) / 8.0f, static_cast<int>(e) - 7);
-      }
-      if (b & 0x80u) v = -v;
+      const float v = static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
       return v * op.scales[(i / kScaleBlock) * op.scale_row_stride +
                            (j / kScaleBlock) * op.scale_col_stride];
     }

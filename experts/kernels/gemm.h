@@ -85,7 +85,8 @@ void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand&
 void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
           const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
 
-// The float32 value of one element (the conversions the packing uses).
+// The float32 value of one element, by c10's conversions (the reference the
+// kernels' packing is tested against).
 float ElementValue(const Operand& op, int64_t i, int64_t j);
 
 }  // namespace moefit::experts::kernels

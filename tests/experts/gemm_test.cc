@@ -203,18 +203,30 @@ TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {
   }
 }
 
-TEST(Gemm, Fp8DecodingMatchesC10) {
+// Every FP8 byte, decoded by each instruction set's kernels (blocked and
+// streamed paths alike: B is multiplied by 1), equals c10's value.
+TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
+  std::vector<uint8_t> bytes(256);
+  for (int v = 0; v < 256; ++v) bytes[v] = static_cast<uint8_t>(v);
+  const float scale = 1.0f;
   const float one = 1.0f;
-  for (int v = 0; v < 256; ++v) {
-    const uint8_t byte = static_cast<uint8_t>(v);
-    Operand op{&byte, ElemType::kF8E4M3, 1, 1, &one, 0, 0};
-    const float want =
-        static_cast<float>(c10::Float8_e4m3fn(byte, c10::Float8_e4m3fn::from_bits()));
-    const float got = ElementValue(op, 0, 0);
-    if (std::isnan(want)) {
-      EXPECT_TRUE(std::isnan(got)) << v;
-    } else {
-      EXPECT_EQ(got, want) << v;
+  // B [1, 256] (k = 1), A [1, 1] = 1: C[0, j] is byte j's value.
+  const Operand b{bytes.data(), ElemType::kF8E4M3, 256, 1, &scale, 0, 0};
+  const Operand a{&one, ElemType::kF32, 1, 1};
+  for (Isa isa : kAllIsas) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    for (RowPath path : {RowPath::kBlocked, RowPath::kStreamed}) {
+      std::vector<float> out(256);
+      Gemm(isa, 1, 256, 1, a, b, Output{out.data(), ElemType::kF32, 256}, false, path);
+      for (int v = 0; v < 256; ++v) {
+        const float want =
+            static_cast<float>(c10::Float8_e4m3fn(bytes[v], c10::Float8_e4m3fn::from_bits()));
+        if (std::isnan(want)) {
+          EXPECT_TRUE(std::isnan(out[v])) << IsaName(isa) << " byte " << v;
+        } else {
+          EXPECT_EQ(out[v], want) << IsaName(isa) << " byte " << v;
+        }
+      }
     }
   }
 }

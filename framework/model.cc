@@ -438,7 +438,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
   const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
-  parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU));
+  parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU),
+                                                        r.topk_weight.to(at::kCPU, at::kFloat));
   // f. Expert compute on this rank's experts (with their adapters under LoRA).
   experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};
   experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora};
@@ -449,12 +450,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
     weights.down_proj = l.down_compute;
   }
   at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, ffn);
-  // g. Combine: rows come home; routing weights are applied here.
-  at::Tensor back = dispatcher_->Combine(y, *rows.route).to(at::kFloat).view({x.size(0), k, -1});
-  at::Tensor out = (back * r.topk_weight.to(at::kCPU).unsqueeze(-1))
-                       .sum(1)
-                       .to(x.scalar_type())
-                       .to(x.device());
+  // g. Combine: each token's routing-weighted sum over its experts comes home.
+  at::Tensor out = dispatcher_->Combine(y, *rows.route).to(x.scalar_type()).to(x.device());
   if (l.shared_gate.defined()) {
     out = out + at::sigmoid(Linear(x, l.shared_gate, {}, l.shared_gate_lora)) * SwiGlu(x, l.mlp);
   } else if (l.mlp.gate.defined()) {

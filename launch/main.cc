@@ -26,6 +26,7 @@
 #include "experts/kernels/isa.h"
 #include "experts/registry.h"
 #include "framework/families/family.h"
+#include "framework/host_allocator.h"
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
 #include "launch/eval_command.h"
@@ -329,6 +330,16 @@ int PlanCommand(const Args& args) {
 int Main(int argc, char** argv) {
   if (const char* t = std::getenv("MOEFIT_NUM_THREADS"); t != nullptr && std::atoi(t) > 0) {
     at::set_num_threads(std::atoi(t));
+  }
+  // Large host tensors reuse freed blocks (framework/host_allocator.h);
+  // MOEFIT_HOST_ALLOCATOR=system keeps LibTorch's default.
+  if (const char* a = std::getenv("MOEFIT_HOST_ALLOCATOR");
+      a == nullptr || std::string(a) == "caching") {
+    framework::UseCachingHostAllocator();
+  } else if (std::string(a) != "system") {
+    std::cerr << "moefit: MOEFIT_HOST_ALLOCATOR must be caching or system, not '" << a << "'"
+              << std::endl;
+    return kExitBadInput;
   }
   try {
     experts::kernels::ActiveIsa();  // a bad MOEFIT_CPU_ISA is bad input

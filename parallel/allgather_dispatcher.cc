@@ -12,8 +12,8 @@ namespace {
 
 struct AllGatherRoute final : Route {
   at::Tensor assignment_idx;  // [R] global flat assignment of each local row
-  int64_t num_assignments = 0;
-  std::vector<int64_t> assignments_per_rank;
+  at::Tensor weights;         // [N_all, k] all ranks' routing weights (autograd-tracked)
+  std::vector<int64_t> tokens_per_rank;
 };
 
 class AllGatherDispatcher final : public Dispatcher {
@@ -25,7 +25,8 @@ class AllGatherDispatcher final : public Dispatcher {
 
   std::string_view name() const override { return "allgather"; }
 
-  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                          const at::Tensor& topk_weight) override {
     ScopedPhase phase("dispatch");
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
@@ -44,12 +45,13 @@ class AllGatherDispatcher final : public Dispatcher {
 
     auto route = std::make_unique<AllGatherRoute>();
     route->assignment_idx = mine.index_select(0, order);
-    route->num_assignments = idx_all.numel();
-    for (int64_t n : tokens) route->assignments_per_rank.push_back(n * k);
+    route->weights = AllGatherRows(*ep_, topk_weight, tokens);
+    route->tokens_per_rank = tokens;
     DispatchedRows out;
     out.rows = x_all.index_select(0, at::div(route->assignment_idx, k, "floor"));
     at::Tensor counts = at::bincount(mine_local, {}, num_local_);
     out.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_local_);
+    out.sent_rows = x.size(0);
     out.route = std::move(route);
     return out;
   }
@@ -57,9 +59,13 @@ class AllGatherDispatcher final : public Dispatcher {
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
     ScopedPhase phase("combine");
     const auto& route = static_cast<const AllGatherRoute&>(r);
-    at::Tensor partial = at::zeros({route.num_assignments, y.size(1)}, y.options())
-                             .index_add(0, route.assignment_idx, y);
-    return SumKeepOwnRows(*ep_, partial, route.assignments_per_rank);
+    const at::ScalarType dtype = at::promote_types(y.scalar_type(), at::kFloat);
+    const int64_t k = route.weights.size(1);
+    at::Tensor weight = route.weights.reshape({-1}).index_select(0, route.assignment_idx).to(dtype);
+    at::Tensor partial = at::zeros({route.weights.size(0), y.size(1)}, y.options().dtype(dtype))
+                             .index_add(0, at::div(route.assignment_idx, k, "floor"),
+                                        y.to(dtype) * weight.unsqueeze(1));
+    return SumKeepOwnRows(*ep_, partial, route.tokens_per_rank);
   }
 
  private:

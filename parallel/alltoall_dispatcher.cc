@@ -1,18 +1,24 @@
-// The all-to-all dispatcher (RouterParallel remapping); see dispatcher.h.
+// The deduplicated all-to-all dispatcher (RouterParallel remapping); see
+// dispatcher.h.
 #include <ATen/ATen.h>
 
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
+#include "parallel/internal/row_ops.h"
 #include "parallel/progress.h"
 #include "router/router_parallel.h"
 
 namespace moefit::parallel {
 namespace {
 
+using internal::RowRelation;
+
 struct AllToAllRoute final : Route {
-  at::Tensor inverse_order;                   // flat assignment -> sorted position
-  std::vector<int64_t> send_rows, recv_rows;  // per peer
+  std::vector<int64_t> send_pairs, recv_pairs;  // rows per peer
+  RowRelation home;                             // this rank's tokens -> the rows they sent
+  RowRelation remote;  // received rows -> their copies, one per local expert
+  at::Tensor weights;  // [received, k] routing weights (autograd-tracked)
 };
 
 class AllToAllDispatcher final : public Dispatcher {
@@ -20,40 +26,65 @@ class AllToAllDispatcher final : public Dispatcher {
   AllToAllDispatcher(std::shared_ptr<Communicator> ep, const router::ExpertPlacement& placement)
       : ep_(std::move(ep)),
         remap_(placement, ep_->rank()),
-        max_local_(placement.max_local()),
         num_local_(placement.num_local(ep_->rank())) {}
 
   std::string_view name() const override { return "alltoall"; }
 
-  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) override {
+  DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                          const at::Tensor& topk_weight) override {
     ScopedPhase phase("dispatch");
     const int world = ep_->size();
     const int64_t k = topk_idx.size(1);
-    // RouterParallel remap: rows grouped by owner, then by its local expert.
-    router::OwnerOrder remap = remap_.SortByOwner(topk_idx);
-    const at::Tensor& order = remap.order;
-    const at::Tensor& send_matrix = remap.counts;
-    at::Tensor recv_matrix = at::empty_like(send_matrix);
-    ep_->AllToAllCounts(send_matrix, recv_matrix)->WaitOrThrow();
-
+    router::OwnerRoutes routes = remap_.RouteByOwner(topk_idx);
     auto route = std::make_unique<AllToAllRoute>();
-    // The inverse permutation, by scatter (linear) rather than a second sort.
-    route->inverse_order = at::empty_like(order).index_put_({order}, at::arange(order.numel(), order.options()));
-    at::Tensor send_rows = send_matrix.sum(1), recv_rows = recv_matrix.sum(1);
-    route->send_rows.assign(send_rows.data_ptr<int64_t>(), send_rows.data_ptr<int64_t>() + world);
-    route->recv_rows.assign(recv_rows.data_ptr<int64_t>(), recv_rows.data_ptr<int64_t>() + world);
+    route->send_pairs = routes.per_owner;
+    at::Tensor send_counts = at::tensor(routes.per_owner, at::kLong).view({world, 1});
+    at::Tensor recv_counts = at::empty_like(send_counts);
+    ep_->AllToAllCounts(send_counts, recv_counts)->WaitOrThrow();
+    route->recv_pairs.assign(recv_counts.data_ptr<int64_t>(),
+                             recv_counts.data_ptr<int64_t>() + world);
 
-    at::Tensor sorted = x.index_select(0, at::div(order, k, "floor"));
-    at::Tensor received = AllToAllRows(*ep_, sorted, route->send_rows, route->recv_rows);
-
-    // Received rows come per source rank, each rank's grouped by local
-    // expert: exactly the segments the expert backends take (no regrouping).
-    DispatchedRows out;
-    out.rows = received;
-    const int64_t* rc = recv_matrix.data_ptr<int64_t>();
-    for (int q = 0; q < world; ++q) {
-      out.counts.insert(out.counts.end(), rc + q * max_local_, rc + q * max_local_ + num_local_);
+    // Token t's row to owner q is sent row home[t, q].
+    const int64_t sent = routes.tokens.numel();
+    at::Tensor home = at::full({x.size(0), world}, -1, at::kLong);
+    {
+      int64_t* hp = home.data_ptr<int64_t>();
+      const int64_t* tp = routes.tokens.data_ptr<int64_t>();
+      for (int q = 0, i = 0; q < world; ++q) {
+        for (int64_t n = 0; n < routes.per_owner[q]; ++n, ++i) hp[tp[i] * world + q] = i;
+      }
     }
+    route->home = internal::MakeRowRelation(home, sent);
+
+    // The rows, their routing weights and their experts' local indices.
+    at::Tensor rows =
+        AllToAllRows(*ep_, internal::Spread(x, route->home), route->send_pairs, route->recv_pairs);
+    route->weights = AllToAllRows(*ep_, topk_weight.index_select(0, routes.tokens),
+                                  route->send_pairs, route->recv_pairs);
+    at::Tensor local = at::empty({rows.size(0), k}, at::kLong);
+    ep_->AllToAllV(routes.local_expert, route->send_pairs, local, route->recv_pairs)->WaitOrThrow();
+
+    // One copy of a received row per local expert it visits, grouped by
+    // expert (a counting sort: arrival order within an expert).
+    const int64_t* lp = local.data_ptr<int64_t>();
+    std::vector<int64_t> counts(num_local_, 0);
+    for (int64_t i = 0; i < local.numel(); ++i) {
+      if (lp[i] >= 0) ++counts[lp[i]];
+    }
+    std::vector<int64_t> next(num_local_, 0);
+    for (int64_t e = 1; e < num_local_; ++e) next[e] = next[e - 1] + counts[e - 1];
+    const int64_t copies = num_local_ == 0 ? 0 : next.back() + counts.back();
+    at::Tensor position = at::full_like(local, -1);
+    int64_t* pp = position.data_ptr<int64_t>();
+    for (int64_t i = 0; i < local.numel(); ++i) {
+      if (lp[i] >= 0) pp[i] = next[lp[i]]++;
+    }
+    route->remote = internal::MakeRowRelation(position, copies);
+
+    DispatchedRows out;
+    out.rows = internal::Spread(rows, route->remote);
+    out.counts = std::move(counts);
+    out.sent_rows = sent;
     out.route = std::move(route);
     return out;
   }
@@ -61,14 +92,16 @@ class AllToAllDispatcher final : public Dispatcher {
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
     ScopedPhase phase("combine");
     const auto& route = static_cast<const AllToAllRoute&>(r);
-    at::Tensor back = AllToAllRows(*ep_, y, route.recv_rows, route.send_rows);
-    return back.index_select(0, route.inverse_order);
+    // Each received row's weighted sum over the experts it visited here, sent
+    // back and summed over the ranks it went to.
+    at::Tensor partial = internal::Collect(y, route.remote, route.weights);
+    at::Tensor back = AllToAllRows(*ep_, partial, route.recv_pairs, route.send_pairs);
+    return internal::Collect(back, route.home);
   }
 
  private:
   std::shared_ptr<Communicator> ep_;
   router::RouterParallel remap_;
-  int64_t max_local_ = 0;
   int64_t num_local_ = 0;
 };
 

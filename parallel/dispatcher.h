@@ -1,19 +1,21 @@
-// Token dispatch and combine: moving each (token, slot) assignment's row to the
-// rank that owns its expert, and the expert outputs back.
+// Token dispatch and combine: moving each token's row to the ranks that own
+// its experts, and the routing-weighted expert outputs back.
 //
 // Two dispatchers behind one interface (`parallel.dispatcher`):
-//   alltoall   (default) the RouterParallel scheme (router/router_parallel.h): global expert
-//              ids are remapped to (owner rank, local expert), assignments are
-//              sorted by that pair, per-(peer, local expert) counts are
-//              exchanged first, then the rows go with one all-to-all-v, and
-//              come back with the reverse one.
+//   alltoall   (default) the RouterParallel scheme (router/router_parallel.h),
+//              deduplicated as in DeepEP: a token travels once to each rank
+//              that owns any of its k experts, with its routing weights and
+//              those experts' local indices; the receiver expands it into one
+//              row per expert, and sums its experts' weighted outputs into one
+//              row per token before sending it back. Counts are exchanged
+//              first, then rows, weights and indices go with all-to-all-v.
 //   allgather  the HF transformers EP scheme: every rank gathers all tokens,
 //              computes its own experts' assignments (the rest masked out), and
-//              the partial outputs are summed over ranks.
-// Both are autograd-aware (their backward sends gradients the opposite way)
-// and leave routing weights to the caller, who applies them on the token's
-// home rank so that the router's gradient stays local. Over a group of one
-// rank both reduce to a local sort by expert.
+//              the weighted partial outputs are summed over ranks.
+// Both are autograd-aware: their backward sends gradients the opposite way,
+// the routing weights' included (their gradient is computed where the expert
+// output is and travels home with the rows'). Over a group of one rank both
+// reduce to a local sort by expert.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,11 +40,13 @@ class Route {
 
 struct DispatchedRows {
   at::Tensor rows;  // [R, H]: rows for this rank's experts, in segments
-  // Rows per segment; segment s holds rows of local expert s % num_local (the
-  // layout experts/expert_backend.h takes): num_local segments (grouped by
-  // expert) or, for alltoall, num_local per source rank.
+  // Rows per segment; segment s holds the rows of local expert s (the layout
+  // experts/expert_backend.h takes): num_local segments.
   std::vector<int64_t> counts;
   std::unique_ptr<Route> route;
+  // Rows this rank sent out (and gets back in Combine), itself included: with
+  // deduplication fewer than its tokens x k.
+  int64_t sent_rows = 0;
 };
 
 class Dispatcher {
@@ -51,11 +55,14 @@ class Dispatcher {
   virtual std::string_view name() const = 0;
 
   // x: [N, H] this rank's tokens (host); topk_idx: [N, k] global expert ids
-  // (host, int64). Collective over the expert-parallel group.
-  virtual DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx) = 0;
+  // (host, int64); topk_weight: [N, k] their routing weights (host, floating,
+  // may require grad). Collective over the expert-parallel group.
+  virtual DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
+                                  const at::Tensor& topk_weight) = 0;
 
-  // y: [R, H] expert outputs aligned with DispatchedRows::rows -> [N * k, H]
-  // this rank's assignments in (token, slot) order. Collective.
+  // y: [R, H] expert outputs aligned with DispatchedRows::rows -> [N, H] each
+  // token's sum over its k slots of weight x expert output, in y's dtype
+  // promoted to at least float32. Collective.
   virtual at::Tensor Combine(const at::Tensor& y, const Route& route) = 0;
 };
 

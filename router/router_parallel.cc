@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace moefit::router {
@@ -18,13 +19,51 @@ RouterParallel::RouterParallel(const ExpertPlacement& p, int rank)
   local_index_ = at::tensor(local, at::kLong);
 }
 
-OwnerOrder RouterParallel::SortByOwner(const at::Tensor& topk_idx) const {
-  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong,
-              "topk_idx must be [tokens, k] int64");
-  at::Tensor key = owner_key_.index_select(0, topk_idx.reshape({-1}));
-  OwnerOrder out;
-  out.order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  out.counts = at::bincount(key, /*weights=*/{}, ep_size_ * max_local_).view({ep_size_, max_local_});
+OwnerRoutes RouterParallel::RouteByOwner(const at::Tensor& topk_idx) const {
+  TORCH_CHECK(topk_idx.dim() == 2 && topk_idx.scalar_type() == at::kLong && topk_idx.is_cpu(),
+              "topk_idx must be [tokens, k] int64 on the host");
+  const at::Tensor idx = topk_idx.contiguous();
+  const int64_t n = idx.size(0), k = idx.size(1), num_experts = owner_key_.numel();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t* key = owner_key_.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n * k; ++i) {
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < num_experts, "expert id ", ip[i], " outside [0, ",
+                num_experts, ")");
+  }
+  // Two linear passes: count (token, owner) pairs, then place them. `last`
+  // holds the token an owner last saw, so a token counts once per owner.
+  OwnerRoutes out;
+  out.per_owner.assign(ep_size_, 0);
+  std::vector<int64_t> last(ep_size_, -1);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t q = key[ip[t * k + j]] / max_local_;
+      if (last[q] != t) {
+        last[q] = t;
+        ++out.per_owner[q];
+      }
+    }
+  }
+  std::vector<int64_t> next(ep_size_, 0), row(ep_size_, 0);
+  for (int q = 1; q < ep_size_; ++q) next[q] = next[q - 1] + out.per_owner[q - 1];
+  const int64_t pairs = ep_size_ == 0 ? 0 : next.back() + out.per_owner.back();
+  out.tokens = at::empty({pairs}, at::kLong);
+  out.local_expert = at::full({pairs, k}, -1, at::kLong);
+  int64_t* tokens = out.tokens.data_ptr<int64_t>();
+  int64_t* local = out.local_expert.data_ptr<int64_t>();
+  std::fill(last.begin(), last.end(), -1);
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t owner_key = key[ip[t * k + j]];
+      const int64_t q = owner_key / max_local_;
+      if (last[q] != t) {
+        last[q] = t;
+        row[q] = next[q]++;
+        tokens[row[q]] = t;
+      }
+      local[row[q] * k + j] = owner_key % max_local_;
+    }
+  }
   return out;
 }
 

@@ -1,11 +1,13 @@
 // Expert-parallel communication under mpirun (2 processes by default):
 //
-//  1. Dispatch + combine of the alltoall dispatcher against a bare
-//     MPI_Alltoallv moving the same byte counts there and back, in the same
-//     run (throughput ratio; goal >= 0.8), and beside the communicator's own
-//     row all-to-all. The dispatcher's extra work is the counts exchange, the
-//     sort by (owner, local expert), the gather of rows before sending and the
-//     un-sort after combine.
+//  1. Dispatch + combine of the (deduplicated) alltoall dispatcher against a
+//     bare MPI_Alltoallv moving the same rows there and back in the same run
+//     (throughput ratio), and against a bare MPI_Alltoallv of the rows a
+//     dispatcher without deduplication would move (one per (token, slot)).
+//     The dispatcher's extra work is the counts exchange, the gather of rows
+//     before sending, the routing weights and indices, the expansion into one
+//     row per expert, the weighted sum per token before sending back and the
+//     sum over ranks at home.
 //  2. One training step of a small MoE model split into dense compute, expert
 //     compute and communication (time blocked in collectives), averaged over
 //     steps after a warm-up.
@@ -25,6 +27,7 @@
 #include <vector>
 
 #include "framework/data.h"
+#include "framework/host_allocator.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
@@ -64,6 +67,35 @@ double MaxOverRanks(double v) {
   return v;
 }
 
+// A bare MPI_Alltoallv there and back of `rows_to[q]` rows of `hidden`
+// floats to each rank q, timed per round trip (max over ranks).
+struct BareExchange {
+  std::vector<int> send, recv, sdispl, rdispl;
+  std::vector<float> sbuf, rbuf;
+  int64_t send_rows = 0;
+
+  BareExchange(const std::vector<int64_t>& rows_to, int64_t hidden) {
+    const int world = static_cast<int>(rows_to.size());
+    send.resize(world);
+    recv.resize(world);
+    sdispl.assign(world, 0);
+    rdispl.assign(world, 0);
+    for (int q = 0; q < world; ++q) send[q] = static_cast<int>(rows_to[q] * hidden);
+    MPI_Alltoall(send.data(), 1, MPI_INT, recv.data(), 1, MPI_INT, MPI_COMM_WORLD);
+    std::partial_sum(send.begin(), send.end() - 1, sdispl.begin() + 1);
+    std::partial_sum(recv.begin(), recv.end() - 1, rdispl.begin() + 1);
+    sbuf.assign(std::accumulate(send.begin(), send.end(), int64_t{0}), 1.0f);
+    rbuf.assign(std::accumulate(recv.begin(), recv.end(), int64_t{0}), 0.0f);
+    send_rows = std::accumulate(rows_to.begin(), rows_to.end(), int64_t{0});
+  }
+  void RoundTrip() {
+    MPI_Alltoallv(sbuf.data(), send.data(), sdispl.data(), MPI_FLOAT, rbuf.data(), recv.data(),
+                  rdispl.data(), MPI_FLOAT, MPI_COMM_WORLD);
+    MPI_Alltoallv(rbuf.data(), recv.data(), rdispl.data(), MPI_FLOAT, sbuf.data(), send.data(),
+                  sdispl.data(), MPI_FLOAT, MPI_COMM_WORLD);
+  }
+};
+
 void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flags& f) {
   using namespace moefit;
   auto& ep = groups.expert_parallel;
@@ -72,20 +104,24 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
   auto dispatcher = parallel::CreateDispatcher("alltoall", ep, *placement);
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7 + rank);
   at::Tensor x = at::randn({f.tokens, f.hidden}, gen, at::kFloat);
-  at::Tensor idx = at::randint(f.experts, {f.tokens, f.top_k}, gen, at::kLong);
+  // Top-k distinct experts per token, as a router picks them.
+  at::Tensor idx = std::get<1>(at::rand({f.tokens, f.experts}, gen).topk(f.top_k, 1));
+  at::Tensor weight = at::softmax(at::randn({f.tokens, f.top_k}, gen), 1);
 
-  // The byte counts the dispatcher sends: rows per owner rank.
-  at::Tensor owner = at::empty({f.experts}, at::kInt);
-  for (int64_t e = 0; e < f.experts; ++e) owner[e] = placement->owner(e);
-  at::Tensor rows_to = at::bincount(owner.to(at::kLong).index_select(0, idx.reshape({-1})), {}, world);
-  std::vector<int> send(world), recv(world), sdispl(world), rdispl(world);
-  for (int q = 0; q < world; ++q) send[q] = static_cast<int>(rows_to[q].item<int64_t>() * f.hidden);
-  MPI_Alltoall(send.data(), 1, MPI_INT, recv.data(), 1, MPI_INT, MPI_COMM_WORLD);
-  std::partial_sum(send.begin(), send.end() - 1, sdispl.begin() + 1);
-  std::partial_sum(recv.begin(), recv.end() - 1, rdispl.begin() + 1);
-  const int64_t send_total = std::accumulate(send.begin(), send.end(), int64_t{0});
-  const int64_t recv_total = std::accumulate(recv.begin(), recv.end(), int64_t{0});
-  std::vector<float> sbuf(send_total, 1.0f), rbuf(recv_total);
+  // Rows per owner rank: one per (token, slot) without deduplication, one per
+  // (token, owner) with it.
+  std::vector<int64_t> per_slot(world, 0), per_pair(world, 0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < f.tokens; ++t) {
+    std::vector<bool> seen(world, false);
+    for (int64_t j = 0; j < f.top_k; ++j) {
+      const int q = placement->owner(ip[t * f.top_k + j]);
+      ++per_slot[q];
+      if (!seen[q]) ++per_pair[q];
+      seen[q] = true;
+    }
+  }
+  BareExchange undeduplicated(per_slot, f.hidden), same_bytes(per_pair, f.hidden);
 
   torch::NoGradGuard no_grad;
   auto time_it = [&](auto&& fn) {
@@ -95,38 +131,47 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
     for (int64_t r = 0; r < f.reps; ++r) fn();
     return MaxOverRanks(std::chrono::duration<double>(Clock::now() - t0).count() / f.reps);
   };
-  const double bare = time_it([&] {
-    MPI_Alltoallv(sbuf.data(), send.data(), sdispl.data(), MPI_FLOAT, rbuf.data(), recv.data(),
-                  rdispl.data(), MPI_FLOAT, MPI_COMM_WORLD);
-    MPI_Alltoallv(rbuf.data(), recv.data(), rdispl.data(), MPI_FLOAT, sbuf.data(), send.data(),
-                  sdispl.data(), MPI_FLOAT, MPI_COMM_WORLD);
-  });
-  // The communicator's own row all-to-all on the same counts, no dispatch work.
-  std::vector<int64_t> send_rows(world), recv_rows(world);
-  for (int q = 0; q < world; ++q) {
-    send_rows[q] = send[q] / f.hidden;
-    recv_rows[q] = recv[q] / f.hidden;
-  }
-  at::Tensor send_t = at::ones({send_total / f.hidden, f.hidden});
-  at::Tensor recv_t = at::empty({recv_total / f.hidden, f.hidden});
-  const double comm_only = time_it([&] {
-    ep->AllToAllV(send_t, send_rows, recv_t, recv_rows)->WaitOrThrow();
-    ep->AllToAllV(recv_t, recv_rows, send_t, send_rows)->WaitOrThrow();
-  });
-  const double ours = time_it([&] {
-    parallel::DispatchedRows d = (*dispatcher)->Dispatch(x, idx);
+  const double bare_slots = time_it([&] { undeduplicated.RoundTrip(); });
+  const double bare_pairs = time_it([&] { same_bytes.RoundTrip(); });
+  int64_t sent_rows = 0;
+  auto dispatch_combine = [&] {
+    parallel::DispatchedRows d = (*dispatcher)->Dispatch(x, idx, weight);
+    sent_rows = d.sent_rows;
     at::Tensor back = (*dispatcher)->Combine(d.rows, *d.route);
-  });
-  const double gbytes = 2.0 * static_cast<double>(send_total) * sizeof(float) / 1e9;
+  };
+  // With LibTorch's default host allocator, then with moefit's caching one
+  // (what `moefit` uses).
+  framework::UseCachingHostAllocator(false);
+  const double ours_system = time_it(dispatch_combine);
+  framework::UseCachingHostAllocator(true);
+  const double ours = time_it(dispatch_combine);
+  if (sent_rows != same_bytes.send_rows) {
+    parallel::AbortAll(1, "the dispatcher sent " + std::to_string(sent_rows) + " rows, expected " +
+                              std::to_string(same_bytes.send_rows));
+  }
+  auto gb = [&](int64_t rows) {
+    return 2.0 * static_cast<double>(rows * f.hidden) * sizeof(float) / 1e9;
+  };
   if (rank == 0) {
-    std::printf("dispatch+combine vs bare MPI_Alltoallv, %d ranks, %ld tokens/rank x top-%ld, "
-                "hidden %ld fp32 (%.3f GB per rank per round trip)\n",
-                world, (long)f.tokens, (long)f.top_k, (long)f.hidden, gbytes);
-    std::printf("  %-28s %9.2f ms %8.2f GB/s\n", "bare MPI_Alltoallv x2", bare * 1e3, gbytes / bare);
-    std::printf("  %-28s %9.2f ms %8.2f GB/s\n", "Communicator::AllToAllV x2", comm_only * 1e3,
-                gbytes / comm_only);
-    std::printf("  %-28s %9.2f ms %8.2f GB/s\n", "alltoall dispatch+combine", ours * 1e3, gbytes / ours);
-    std::printf("  throughput ratio (dispatch / bare): %.2f\n\n", bare / ours);
+    std::printf(
+        "dispatch+combine vs bare MPI_Alltoallv, %d ranks, %ld tokens/rank x top-%ld of %ld "
+        "experts, "
+        "hidden %ld fp32, rank 0's bytes per round trip:\n",
+        world, (long)f.tokens, (long)f.top_k, (long)f.experts, (long)f.hidden);
+    std::printf("  %-44s %9.2f ms %8.3f GB\n", "bare MPI_Alltoallv, one row per (token, slot)",
+                bare_slots * 1e3, gb(undeduplicated.send_rows));
+    std::printf("  %-44s %9.2f ms %8.3f GB\n", "bare MPI_Alltoallv, one row per (token, rank)",
+                bare_pairs * 1e3, gb(same_bytes.send_rows));
+    std::printf("  %-44s %9.2f ms %8.3f GB\n", "alltoall dispatch+combine, default allocator",
+                ours_system * 1e3, gb(sent_rows));
+    std::printf("  %-44s %9.2f ms %8.3f GB\n", "alltoall dispatch+combine (moefit)", ours * 1e3,
+                gb(sent_rows));
+    std::printf(
+        "  bytes saved by deduplication: %.1f%% (%.3f GB per rank per layer round trip)\n",
+        100.0 * (1.0 - static_cast<double>(same_bytes.send_rows) / undeduplicated.send_rows),
+        gb(undeduplicated.send_rows) - gb(same_bytes.send_rows));
+    std::printf("  throughput ratio vs bare of the same bytes: %.2f\n", bare_pairs / ours);
+    std::printf("  time ratio vs bare without deduplication:   %.2f\n\n", bare_slots / ours);
   }
 }
 

@@ -1,7 +1,8 @@
 // Dispatch and combine under random routing on 2 and 4 ranks: every row reaches
-// the owner of its expert and comes back; alltoall and allgather agree on
-// outputs and gradients. Includes a rank that sends nothing (no tokens) and an
-// expert that receives nothing, with an expert count that does not divide.
+// the owner of its expert and comes back weighted; a token travels once per
+// owner rank; alltoall and allgather agree on outputs and gradients, the
+// routing weights' included. Includes a rank that sends nothing (no tokens) and
+// an expert that receives nothing, with an expert count that does not divide.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -13,8 +14,9 @@ namespace moefit::parallel {
 namespace {
 
 struct Case {
-  at::Tensor x;         // [N, H]
-  at::Tensor topk_idx;  // [N, k]
+  at::Tensor x;            // [N, H]
+  at::Tensor topk_idx;     // [N, k]
+  at::Tensor topk_weight;  // [N, k]
 };
 
 constexpr int64_t kHidden = 6;
@@ -33,6 +35,7 @@ Case MakeCase(int rank, int64_t num_experts) {
     at::Tensor perm = at::randperm(num_experts - 1, gen, at::kLong).narrow(0, 0, kTopK) + 1;
     c.topk_idx[t].copy_(perm);
   }
+  c.topk_weight = at::rand({n, kTopK}, gen, at::kDouble);
   return c;
 }
 
@@ -60,27 +63,34 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
   Case c = MakeCase(world->rank(), num_experts);
 
-  DispatchedRows d = (*dispatcher)->Dispatch(c.x, c.topk_idx);
+  DispatchedRows d = (*dispatcher)->Dispatch(c.x, c.topk_idx, c.topk_weight);
   // Rows per local expert = global assignments to that expert.
   at::Tensor global_counts = at::bincount(c.topk_idx.reshape({-1}), {}, num_experts);
   world->AllReduce(global_counts, ReduceOp::kSum)->WaitOrThrow();
   const int64_t first = placement->first_expert(world->rank());
   const int64_t num_local = placement->num_local(world->rank());
-  ASSERT_EQ(static_cast<int64_t>(d.counts.size()) % num_local, 0);
-  std::vector<int64_t> per_expert(num_local, 0);
-  for (size_t s = 0; s < d.counts.size(); ++s) per_expert[s % num_local] += d.counts[s];
+  ASSERT_EQ(static_cast<int64_t>(d.counts.size()), num_local);
   for (int64_t e = 0; e < num_local; ++e) {
-    EXPECT_EQ(per_expert[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
+    EXPECT_EQ(d.counts[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
   }
   if (world->rank() == 0) {
-    EXPECT_EQ(per_expert[0], 0);  // expert 0 receives nothing
+    EXPECT_EQ(d.counts[0], 0);  // expert 0 receives nothing
+  }
+  if (GetParam() == "alltoall") {  // one row per (token, owner rank) pair
+    at::Tensor owner = at::empty_like(c.topk_idx);
+    for (int64_t i = 0; i < c.topk_idx.numel(); ++i) {
+      owner.view({-1})[i] = placement->owner(c.topk_idx.view({-1})[i].item<int64_t>());
+    }
+    int64_t pairs = 0;
+    for (int64_t t = 0; t < c.x.size(0); ++t) pairs += std::get<0>(at::_unique(owner[t])).numel();
+    EXPECT_EQ(d.sent_rows, pairs);
+    EXPECT_LE(d.sent_rows, c.x.size(0) * kTopK);
   }
 
   at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first, num_local), *d.route);
-  ASSERT_EQ(back.size(0), c.x.size(0) * kTopK);
-  at::Tensor expected =
-      c.x.repeat_interleave(kTopK, 0) * (c.topk_idx.reshape({-1, 1}).to(at::kDouble) + 1);
-  EXPECT_TRUE(at::allclose(back, expected, 0, 0)) << "rank " << world->rank();
+  ASSERT_EQ(back.sizes(), c.x.sizes());
+  at::Tensor scale = (c.topk_weight * (c.topk_idx.to(at::kDouble) + 1)).sum(1, /*keepdim=*/true);
+  EXPECT_TRUE(at::allclose(back, c.x * scale, 1e-13, 1e-13)) << "rank " << world->rank();
 }
 
 INSTANTIATE_TEST_SUITE_P(Dispatchers, DispatchTest, ::testing::Values("alltoall", "allgather"));
@@ -91,14 +101,17 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
   auto placement = router::ExpertPlacement::Contiguous(num_experts, world->size());
   ASSERT_TRUE(placement.ok());
   Case c = MakeCase(world->rank(), num_experts);
-  at::Tensor upstream = at::randn({c.x.size(0) * kTopK, kHidden}, at::kDouble);
-  at::Tensor weight = at::randn({kHidden, kHidden}, at::kDouble);
-  std::vector<at::Tensor> outs, grads;
+  at::Tensor upstream = at::randn({c.x.size(0), kHidden}, at::kDouble);
+  // The same stand-in expert weight on every rank.
+  at::Tensor weight =
+      at::randn({kHidden, kHidden}, at::make_generator<at::CPUGeneratorImpl>(5), at::kDouble);
+  std::vector<at::Tensor> outs, grads, weight_grads;
   for (const char* name : {"alltoall", "allgather"}) {
     auto dispatcher = CreateDispatcher(name, world, *placement);
     ASSERT_TRUE(dispatcher.ok());
     at::Tensor x = c.x.clone().requires_grad_(true);
-    DispatchedRows d = (*dispatcher)->Dispatch(x, c.topk_idx);
+    at::Tensor w = c.topk_weight.clone().requires_grad_(true);
+    DispatchedRows d = (*dispatcher)->Dispatch(x, c.topk_idx, w);
     // A differentiable stand-in for the experts: rows · W, scaled per expert.
     at::Tensor y = at::matmul(FakeExperts(d, placement->first_expert(world->rank()),
                                           placement->num_local(world->rank())),
@@ -107,9 +120,19 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
     (back * upstream).sum().backward();
     outs.push_back(back.detach());
     grads.push_back(x.grad());
+    weight_grads.push_back(w.grad());
   }
   EXPECT_TRUE(at::allclose(outs[0], outs[1], 1e-12, 1e-12));
   EXPECT_TRUE(at::allclose(grads[0], grads[1], 1e-12, 1e-12));
+  EXPECT_TRUE(at::allclose(weight_grads[0], weight_grads[1], 1e-12, 1e-12));
+  // The routing weights' gradient is each slot's expert output against the
+  // upstream gradient: (x W (e + 1)) . upstream.
+  at::Tensor expert_out =
+      at::matmul(c.x, weight).unsqueeze(1) * (c.topk_idx.to(at::kDouble) + 1).unsqueeze(2);
+  at::Tensor expected = (expert_out * upstream.unsqueeze(1)).sum(2);
+  EXPECT_TRUE(at::allclose(weight_grads[0], expected, 1e-12, 1e-12))
+      << "rank " << world->rank() << ": "
+      << (weight_grads[0] - expected).abs().max().item<double>();
 }
 
 }  // namespace

@@ -45,19 +45,30 @@ TEST(ExpertPlacement, RejectsRanksWithoutExperts) {
 }
 
 // 5 experts on 2 ranks: rank 0 owns 0-2, rank 1 owns 3-4 (max_local 3).
-TEST(RouterParallel, SortsByOwnerThenLocalExpertStably) {
+// Token 1 has both its experts on rank 0: it goes there once, not twice.
+TEST(RouterParallel, RoutesEachTokenOncePerOwner) {
   auto p = ExpertPlacement::Contiguous(5, 2);
   ASSERT_TRUE(p.ok());
-  at::Tensor idx = at::tensor({4, 0, 2, 3, 0, 4}, at::kLong).view({3, 2});
+  at::Tensor idx = at::tensor({4, 0, 2, 0, 0, 4}, at::kLong).view({3, 2});
   RouterParallel rank0(*p, 0), rank1(*p, 1);
-  OwnerOrder o = rank0.SortByOwner(idx);
-  // keys: 4 -> 1*3+1 = 4, 0 -> 0, 2 -> 2, 3 -> 3, 0 -> 0, 4 -> 4
-  std::vector<int64_t> order(o.order.data_ptr<int64_t>(), o.order.data_ptr<int64_t>() + 6);
-  EXPECT_EQ(order, (std::vector<int64_t>{1, 4, 2, 3, 0, 5}));
-  EXPECT_TRUE(at::equal(o.counts, at::tensor({2, 0, 1, 1, 2, 0}, at::kLong).view({2, 3})));
-  EXPECT_TRUE(at::equal(rank1.SortByOwner(idx).order, o.order));  // the same on every rank
+  OwnerRoutes r = rank0.RouteByOwner(idx);
+  EXPECT_EQ(r.per_owner, (std::vector<int64_t>{3, 2}));
+  EXPECT_TRUE(at::equal(r.tokens, at::tensor({0, 1, 2, 0, 2}, at::kLong)));
+  EXPECT_TRUE(at::equal(r.local_expert,
+                        at::tensor({-1, 0, 2, 0, 0, -1, 1, -1, -1, 1}, at::kLong).view({5, 2})));
+  OwnerRoutes r1 = rank1.RouteByOwner(idx);  // the same on every rank
+  EXPECT_TRUE(at::equal(r1.tokens, r.tokens));
+  EXPECT_TRUE(at::equal(r1.local_expert, r.local_expert));
   at::Tensor local1 = rank1.LocalExpertIndex(idx);
-  EXPECT_TRUE(at::equal(local1, at::tensor({1, -1, -1, 0, -1, 1}, at::kLong).view({3, 2})));
+  EXPECT_TRUE(at::equal(local1, at::tensor({1, -1, -1, -1, -1, 1}, at::kLong).view({3, 2})));
+}
+
+TEST(RouterParallel, RejectsExpertIdsOutsideTheModel) {
+  auto p = ExpertPlacement::Contiguous(5, 2);
+  ASSERT_TRUE(p.ok());
+  RouterParallel rank0(*p, 0);
+  EXPECT_THROW(rank0.RouteByOwner(at::tensor({0, 5}, at::kLong).view({1, 2})), c10::Error);
+  EXPECT_THROW(rank0.RouteByOwner(at::tensor({-1, 1}, at::kLong).view({1, 2})), c10::Error);
 }
 
 }  // namespace

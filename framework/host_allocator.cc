@@ -1,0 +1,128 @@
+// The caching host allocator; see host_allocator.h.
+#include "framework/host_allocator.h"
+
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+#include <sys/mman.h>
+
+#include <bit>
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <vector>
+
+namespace moefit::framework {
+namespace {
+
+constexpr size_t kMinCached = size_t{1} << 20;
+constexpr size_t kAlign = size_t{2} << 20;  // a transparent huge page
+
+// Up to 64 MiB, 2 MiB multiples; above, sixteenths of the power of two below.
+size_t SizeClass(size_t n) {
+  size_t size = (n + kAlign - 1) / kAlign * kAlign;
+  if (size > (size_t{64} << 20)) {
+    const size_t step = std::bit_floor(size) / 16;
+    size = (size + step - 1) / step * step;
+  }
+  return size;
+}
+
+class CachingHostAllocator final : public c10::Allocator {
+ public:
+  explicit CachingHostAllocator(c10::Allocator* fallback) : fallback_(fallback) {}
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n < kMinCached) return fallback_->allocate(n);
+    const size_t size = SizeClass(n);
+    void* p = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++stats_.allocations;
+      auto it = free_.find(size);
+      if (it != free_.end() && !it->second.empty()) {
+        p = it->second.back();
+        it->second.pop_back();
+        stats_.cached_bytes -= static_cast<int64_t>(size);
+        ++stats_.reused;
+      }
+    }
+    if (p == nullptr) p = SystemAlloc(size);
+    auto* block = new Block{this, p, size};
+    return {p, block, &Free, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+
+  HostAllocatorStats stats() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  struct Block {
+    CachingHostAllocator* owner;
+    void* data;
+    size_t size;
+  };
+
+  static void Free(void* ctx) {
+    auto* block = static_cast<Block*>(ctx);
+    {
+      std::lock_guard<std::mutex> lock(block->owner->mu_);
+      block->owner->free_[block->size].push_back(block->data);
+      block->owner->stats_.cached_bytes += static_cast<int64_t>(block->size);
+    }
+    delete block;
+  }
+
+  void* SystemAlloc(size_t size) {
+    void* p = std::aligned_alloc(kAlign, size);
+    if (p == nullptr) {  // give the cache back and try once more
+      ReleaseCached();
+      p = std::aligned_alloc(kAlign, size);
+    }
+    TORCH_CHECK_WITH(OutOfMemoryError, p != nullptr, "host allocator: out of memory allocating ",
+                     size, " bytes");
+    madvise(p, size, MADV_HUGEPAGE);  // advice only: no error if THP is off
+    return p;
+  }
+
+  void ReleaseCached() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [size, blocks] : free_) {
+      for (void* p : blocks) std::free(p);
+      blocks.clear();
+    }
+    stats_.cached_bytes = 0;
+  }
+
+  c10::Allocator* fallback_;
+  std::mutex mu_;
+  std::map<size_t, std::vector<void*>> free_;  // size class -> free blocks
+  HostAllocatorStats stats_;
+};
+
+// Never destroyed: tensors may outlive every static.
+CachingHostAllocator* Instance() {
+  static auto* instance = new CachingHostAllocator(c10::GetDefaultCPUAllocator());
+  return instance;
+}
+
+}  // namespace
+
+void UseCachingHostAllocator(bool enable) {
+  // Priority above the default's (0) so that it wins; the same priority when
+  // switching back.
+  c10::SetCPUAllocator(
+      enable ? static_cast<c10::Allocator*>(Instance()) : c10::GetDefaultCPUAllocator(),
+      /*priority=*/1);
+}
+
+HostAllocatorStats GetHostAllocatorStats() { return Instance()->stats(); }
+
+}  // namespace moefit::framework

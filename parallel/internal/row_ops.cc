@@ -1,0 +1,240 @@
+// Row moves over a RowRelation; see row_ops.h.
+#include "parallel/internal/row_ops.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+namespace moefit::parallel::internal {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Calls fn with a value of the C++ type of `t`.
+template <typename Fn>
+void WithType(at::ScalarType t, Fn&& fn) {
+  switch (t) {
+    case at::kFloat:
+      return fn(float{});
+    case at::kDouble:
+      return fn(double{});
+    case at::kBFloat16:
+      return fn(c10::BFloat16{});
+    default:
+      TORCH_CHECK(false, "rows must be float32, float64 or bfloat16, not ", t);
+  }
+}
+
+// Float32 unless one side is float64.
+at::ScalarType AccumulateType(at::ScalarType a, at::ScalarType b) {
+  return a == at::kDouble || b == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Rows [0, n) in parallel on LibTorch's intra-op threads (the ones its ops
+// around these moves use: a second pool would compete with them for the
+// cores), in blocks of about 64 KiB.
+template <typename Fn>
+void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r);
+  });
+}
+
+// out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`.
+at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& scale_in,
+                      at::ScalarType dtype) {
+  const at::Tensor src = src_in.contiguous();
+  const int64_t h = src.size(1), f = rel.members.size(1), m_rows = rel.slot.size(0);
+  at::Tensor out = at::empty({m_rows, h}, src.options().dtype(dtype));
+  const int64_t* slot = rel.slot.data_ptr<int64_t>();
+  const at::ScalarType acc = AccumulateType(src.scalar_type(), dtype);
+  const at::Tensor scale = scale_in.defined() ? scale_in.to(acc).contiguous() : scale_in;
+  WithType(src.scalar_type(), [&](auto s) {
+    WithType(dtype, [&](auto o) {
+      WithType(acc, [&](auto a) {
+        using S = decltype(s);
+        using O = decltype(o);
+        using A = decltype(a);
+        const S* in = src.data_ptr<S>();
+        O* res = out.data_ptr<O>();
+        const A* sc = scale.defined() ? scale.data_ptr<A>() : nullptr;
+        ForRows(m_rows, h * static_cast<int64_t>(sizeof(O)), [&](int64_t m) {
+          const S* from = in + (slot[m] / f) * h;
+          O* to = res + m * h;
+          if (sc == nullptr && std::is_same_v<S, O>) {
+            std::memcpy(to, from, h * sizeof(O));
+          } else {
+            const A w = sc == nullptr ? A(1) : sc[slot[m]];
+            for (int64_t i = 0; i < h; ++i) to[i] = static_cast<O>(w * static_cast<A>(from[i]));
+          }
+        });
+      });
+    });
+  });
+  return out;
+}
+
+// out[p] = sum_j weight[p, j] * src[members[p, j]], in the accumulate type.
+at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
+                       const at::Tensor& weight_in) {
+  const at::Tensor src = src_in.contiguous();
+  const int64_t h = src.size(1), p_rows = rel.members.size(0), f = rel.members.size(1);
+  const at::ScalarType acc = AccumulateType(src.scalar_type(), at::kFloat);
+  at::Tensor out = at::empty({p_rows, h}, src.options().dtype(acc));
+  const int64_t* members = rel.members.data_ptr<int64_t>();
+  const at::Tensor weight = weight_in.defined() ? weight_in.to(acc).contiguous() : weight_in;
+  WithType(src.scalar_type(), [&](auto s) {
+    WithType(acc, [&](auto a) {
+      using S = decltype(s);
+      using A = decltype(a);
+      const S* in = src.data_ptr<S>();
+      A* res = out.data_ptr<A>();
+      const A* wt = weight.defined() ? weight.data_ptr<A>() : nullptr;
+      ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
+        A* to = res + p * h;
+        bool first = true;
+        for (int64_t j = 0; j < f; ++j) {
+          const int64_t m = members[p * f + j];
+          if (m < 0) continue;
+          const S* from = in + m * h;
+          const A w = wt == nullptr ? A(1) : wt[p * f + j];
+          if (first) {
+            for (int64_t i = 0; i < h; ++i) to[i] = w * static_cast<A>(from[i]);
+          } else {
+            for (int64_t i = 0; i < h; ++i) to[i] += w * static_cast<A>(from[i]);
+          }
+          first = false;
+        }
+        if (first) std::fill(to, to + h, A(0));
+      });
+    });
+  });
+  return out;
+}
+
+// dweight[p, j] = src[members[p, j]] . grad[p] (0 where there is no member).
+at::Tensor WeightGrad(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& grad_in) {
+  const at::Tensor src = src_in.contiguous();
+  const int64_t h = src.size(1), p_rows = rel.members.size(0), f = rel.members.size(1);
+  const at::ScalarType acc = AccumulateType(src.scalar_type(), grad_in.scalar_type());
+  const at::Tensor grad = grad_in.to(acc).contiguous();
+  at::Tensor out = at::empty({p_rows, f}, grad.options());
+  const int64_t* members = rel.members.data_ptr<int64_t>();
+  WithType(src.scalar_type(), [&](auto s) {
+    WithType(acc, [&](auto a) {
+      using S = decltype(s);
+      using A = decltype(a);
+      const S* in = src.data_ptr<S>();
+      const A* g = grad.data_ptr<A>();
+      A* res = out.data_ptr<A>();
+      ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
+        for (int64_t j = 0; j < f; ++j) {
+          const int64_t m = members[p * f + j];
+          A dot = 0;
+          for (int64_t i = 0; m >= 0 && i < h; ++i)
+            dot += static_cast<A>(in[m * h + i]) * g[p * h + i];
+          res[p * f + j] = dot;
+        }
+      });
+    });
+  });
+  return out;
+}
+
+RowRelation Unpack(AutogradContext* ctx) {
+  return {ctx->saved_data["members"].toTensor(), ctx->saved_data["slot"].toTensor()};
+}
+
+void Pack(AutogradContext* ctx, const RowRelation& rel) {
+  ctx->saved_data["members"] = rel.members;
+  ctx->saved_data["slot"] = rel.slot;
+}
+
+class SpreadFn : public torch::autograd::Function<SpreadFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& src, const at::Tensor& members,
+                            const at::Tensor& slot) {
+    const RowRelation rel{members, slot};
+    Pack(ctx, rel);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(src.scalar_type());
+    return SpreadRows(src, rel, {}, src.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {CollectRows(grads[0], Unpack(ctx), {}).to(dtype), at::Tensor(), at::Tensor()};
+  }
+};
+
+class CollectFn : public torch::autograd::Function<CollectFn> {
+ public:
+  // An empty `weight_or_empty` stands for weights of 1 (autograd takes no
+  // undefined inputs).
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& src,
+                            const at::Tensor& weight_or_empty, const at::Tensor& members,
+                            const at::Tensor& slot) {
+    const at::Tensor weight = weight_or_empty.numel() == 0 ? at::Tensor() : weight_or_empty;
+    const RowRelation rel{members, slot};
+    Pack(ctx, rel);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(src.scalar_type());
+    ctx->save_for_backward({weight.defined() ? src : at::Tensor(), weight});
+    return CollectRows(src, rel, weight);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const RowRelation rel = Unpack(ctx);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& src = saved[0];
+    const at::Tensor& weight = saved[1];
+    at::Tensor dsrc = SpreadRows(grads[0], rel, weight, dtype);
+    at::Tensor dweight;
+    if (weight.defined() && ctx->needs_input_grad(1)) {
+      dweight = WeightGrad(src, rel, grads[0]).to(weight.scalar_type());
+    }
+    return {dsrc, dweight, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+RowRelation MakeRowRelation(at::Tensor members, int64_t num_members) {
+  TORCH_CHECK(members.dim() == 2 && members.scalar_type() == at::kLong && members.is_cpu(),
+              "a row relation's members must be [groups, f] int64 on the host");
+  members = members.contiguous();
+  at::Tensor slot = at::full({num_members}, -1, at::kLong);
+  const int64_t* mp = members.data_ptr<int64_t>();
+  int64_t* sp = slot.data_ptr<int64_t>();
+  int64_t seen = 0;
+  for (int64_t i = 0; i < members.numel(); ++i) {
+    if (mp[i] < 0) continue;
+    TORCH_CHECK(mp[i] < num_members && sp[mp[i]] < 0, "row relation: member ", mp[i],
+                " is outside [0, ", num_members, ") or in two groups");
+    sp[mp[i]] = i;
+    ++seen;
+  }
+  TORCH_CHECK(seen == num_members, "row relation: ", num_members - seen, " of ", num_members,
+              " members belong to no group");
+  return {std::move(members), std::move(slot)};
+}
+
+at::Tensor Spread(const at::Tensor& src, const RowRelation& relation) {
+  TORCH_CHECK(src.dim() == 2 && src.size(0) == relation.members.size(0), "Spread: src must be [",
+              relation.members.size(0), ", H], not ", src.sizes());
+  return SpreadFn::apply(src, relation.members, relation.slot);
+}
+
+at::Tensor Collect(const at::Tensor& src, const RowRelation& relation, const at::Tensor& weight) {
+  TORCH_CHECK(src.dim() == 2 && src.size(0) == relation.slot.size(0), "Collect: src must be [",
+              relation.slot.size(0), ", H], not ", src.sizes());
+  TORCH_CHECK(!weight.defined() || weight.sizes() == relation.members.sizes(),
+              "Collect: weight must be ", relation.members.sizes(), ", not ", weight.sizes());
+  return CollectFn::apply(src, weight.defined() ? weight : at::empty({0}, src.options()),
+                          relation.members, relation.slot);
+}
+
+}  // namespace moefit::parallel::internal

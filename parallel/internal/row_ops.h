@@ -1,0 +1,40 @@
+// Row moves of the dispatchers, over a one-to-many relation between the rows
+// of two tensors, parallel over rows and autograd-aware.
+//
+// A RowRelation links P "group" rows to M "member" rows: group p has up to f
+// members, `members[p, j]` (-1 for none), and each member belongs to exactly
+// one group, at flat position `slot[m] = p * f + j`. The dispatchers use two:
+//   home    tokens (groups, f = ranks) and the rows they send (members, one
+//           per rank that owns one of the token's experts);
+//   remote  received rows (groups, f = top-k) and their copies, one per local
+//           expert they visit.
+// Spread and Collect are each other's transposes, which makes each one's
+// backward the other's forward.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace moefit::parallel::internal {
+
+struct RowRelation {
+  at::Tensor members;  // [P, f] int64, -1 where group p has fewer than f
+  at::Tensor slot;     // [M] int64: p * f + j of each member
+};
+
+// Builds `slot` from `members` (whose non-negative entries must be exactly
+// 0..num_members-1, each once). Throws c10::Error otherwise.
+RowRelation MakeRowRelation(at::Tensor members, int64_t num_members);
+
+// [M, H]: member m gets its group's row, src[slot[m] / f] (src: [P, H]), in
+// src's dtype.
+at::Tensor Spread(const at::Tensor& src, const RowRelation& relation);
+
+// [P, H]: group p gets sum_j weight[p, j] * src[members[p, j]] (src: [M, H];
+// weight [P, f] or undefined for 1), summed in j order, in src's dtype
+// promoted to at least float32. Differentiable in src and weight.
+at::Tensor Collect(const at::Tensor& src, const RowRelation& relation,
+                   const at::Tensor& weight = {});
+
+}  // namespace moefit::parallel::internal

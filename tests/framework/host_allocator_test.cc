@@ -1,0 +1,58 @@
+// The caching host allocator: large tensors reuse freed blocks of their size
+// class, small ones are left to the default allocator, contents are the
+// tensors' own, and switching back leaves earlier tensors valid.
+#include "framework/host_allocator.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace moefit::framework {
+namespace {
+
+class HostAllocatorTest : public ::testing::Test {
+ protected:
+  void SetUp() override { UseCachingHostAllocator(true); }
+  void TearDown() override { UseCachingHostAllocator(false); }
+};
+
+TEST_F(HostAllocatorTest, ReusesFreedBlocksOfTheSameSizeClass) {
+  const HostAllocatorStats before = GetHostAllocatorStats();
+  const void* first = nullptr;
+  {
+    at::Tensor a = at::empty({3 << 20}, at::kFloat);  // 12 MiB
+    first = a.data_ptr();
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(first) % (2 << 20), 0u);  // huge-page aligned
+  }
+  EXPECT_GE(GetHostAllocatorStats().cached_bytes, 12 << 20);
+  at::Tensor b = at::empty({(3 << 20) - 1000}, at::kFloat);  // same 12 MiB class
+  EXPECT_EQ(b.data_ptr(), first);
+  at::Tensor c = at::empty({5 << 20}, at::kFloat);  // 20 MiB: another class
+  EXPECT_NE(c.data_ptr(), first);
+  const HostAllocatorStats after = GetHostAllocatorStats();
+  EXPECT_EQ(after.allocations - before.allocations, 3);
+  EXPECT_EQ(after.reused - before.reused, 1);
+}
+
+TEST_F(HostAllocatorTest, SmallTensorsBypassTheCache) {
+  const HostAllocatorStats before = GetHostAllocatorStats();
+  { at::Tensor small = at::ones({1000}, at::kFloat); }
+  EXPECT_EQ(GetHostAllocatorStats().allocations, before.allocations);
+}
+
+TEST_F(HostAllocatorTest, TensorsKeepTheirValuesAcrossReuseAndSwitching) {
+  at::Tensor keep = at::arange(4 << 20, at::kFloat);  // 16 MiB, made by the cache
+  { at::Tensor scratch = at::full({4 << 20}, 7.0f); }
+  at::Tensor reuse = at::zeros({4 << 20}, at::kFloat);  // the scratch block, cleared
+  EXPECT_EQ(reuse.abs().sum().item<double>(), 0.0);
+  UseCachingHostAllocator(false);
+  at::Tensor plain = at::arange(4 << 20, at::kFloat);
+  EXPECT_TRUE(at::equal(keep, plain));
+  keep = at::Tensor();  // freed into the cache after switching: still fine
+  reuse = at::Tensor();
+  UseCachingHostAllocator(true);
+  at::Tensor again = at::ones({4 << 20}, at::kFloat);
+  EXPECT_EQ(again.sum().item<double>(), static_cast<double>(4 << 20));
+}
+
+}  // namespace
+}  // namespace moefit::framework

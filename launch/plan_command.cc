@@ -215,17 +215,31 @@ GpuMemory GpuMemoryFor(const ModelOptions& o, const framework::ParameterCounts& 
   return g;
 }
 
-// Bytes one node sends per micro-batch: of its rows_per_node expert rows per
-// MoE layer, the (N-1)/N whose expert lives elsewhere leave it, H elements
-// each; four exchanges per MoE layer (dispatch and combine, forward and backward).
+// Token rows one node sends to the others per MoE layer exchange, under
+// balanced routing and the dispatch's deduplication: a token goes once to
+// every other node that owns any of its top-k experts. A node owns E/N of
+// the E experts, so k distinct experts miss it with probability
+// prod_{i<k} (E - E/N - i) / (E - i).
+double RemoteTokenRows(const ModelOptions& o, int64_t tokens_per_node, int64_t nodes) {
+  const double e = static_cast<double>(o.num_experts), own = e / static_cast<double>(nodes);
+  double miss = 1.0;
+  for (int64_t i = 0; i < o.num_experts_per_tok; ++i) {
+    miss *= std::max(0.0, e - own - static_cast<double>(i)) / (e - static_cast<double>(i));
+  }
+  return static_cast<double>(tokens_per_node) * static_cast<double>(nodes - 1) * (1.0 - miss);
+}
+
+// Bytes one node sends per micro-batch: those rows, H elements each, four
+// times per MoE layer: dispatch (the experts' dtype) and combine (float32
+// weighted sums) forward, and their gradients backward.
 int64_t AllToAllBytesPerNode(const ModelOptions& o, const framework::ParameterCounts& c,
-                             const PlanInputs& in, int64_t rows) {
-  // In double: rows x hidden x bytes x (N - 1) alone can pass int64 at the input limits.
-  const double one_exchange = static_cast<double>(rows) * static_cast<double>(o.hidden_size) *
-                              static_cast<double>(ExpertActivationBytes(in.expert_dtype)) *
-                              static_cast<double>(in.nodes - 1) / static_cast<double>(in.nodes);
-  return static_cast<int64_t>(
-      std::llround(4.0 * static_cast<double>(c.num_moe_layers) * one_exchange));
+                             const PlanInputs& in, int64_t tokens_per_node) {
+  // In double: rows x hidden x bytes can pass int64 at the input limits.
+  const double per_row = static_cast<double>(o.hidden_size) *
+                         static_cast<double>(2 * (ExpertActivationBytes(in.expert_dtype) + 4));
+  return static_cast<int64_t>(std::llround(static_cast<double>(c.num_moe_layers) *
+                                           RemoteTokenRows(o, tokens_per_node, in.nodes) *
+                                           per_row));
 }
 
 std::string Count(double n) {
@@ -356,10 +370,11 @@ void PrintText(const std::string& path, const ModelOptions& o, const PlanInputs&
                          p.gpu_fits ? "fits" : "DOES NOT FIT");
 
   out << absl::StrFormat(
-      "all-to-all per node per micro-batch: %.2f GiB sent (4 x %d layers x %d/%d of %d rows x %d x "
-      "%d bytes)\n\n",
-      GiB(p.alltoall_bytes_per_node), c.num_moe_layers, in.nodes - 1, in.nodes, p.rows_per_node,
-      o.hidden_size, ExpertActivationBytes(in.expert_dtype));
+      "all-to-all per node per micro-batch: %.2f GiB sent (%d layers x %.0f token rows to other "
+      "nodes x %d x 2 x (%d + 4) bytes)\n\n",
+      GiB(p.alltoall_bytes_per_node), c.num_moe_layers,
+      RemoteTokenRows(o, p.tokens_per_node, in.nodes), o.hidden_size,
+      ExpertActivationBytes(in.expert_dtype));
 
   out << "result: " << (p.fits ? "fits" : "does NOT fit");
   if (!p.fits) {
@@ -448,8 +463,9 @@ std::vector<std::string> PlanAssumptions() {
       "attention output, then 2 x hidden + 3 x intermediate (dense MLP) or 3 x shared-expert "
       "width + num_experts + top_k x hidden (MoE); plus 2 x vocab for the logits and their "
       "gradient",
-      "all-to-all: (N-1)/N of the rows leave the node, hidden elements each in the experts' "
-      "compute dtype, 4 exchanges per MoE layer (dispatch, combine; forward, backward)",
+      "all-to-all: each token goes once to every other node owning any of its top_k experts "
+      "(balanced routing), hidden elements in the experts' compute dtype there and in fp32 back "
+      "(weighted sums), forward and backward",
       absl::StrCat("fixed reserve: ", kRamReserveGiB, " GiB of RAM per node (OS, MPI/NCCL, ",
                    "LibTorch, data), ", kGpuReserveGiB, " GiB per GPU (CUDA context, workspaces, ",
                    "allocator slack); transient per-layer buffers and multi-token-prediction ",
@@ -476,7 +492,7 @@ Plan ComputePlan(const ModelOptions& o, const PlanInputs& in) {
   p.ram_fits = p.ram.total <= p.ram_capacity;
   p.gpu_fits = p.gpu.total <= p.gpu_capacity;
   p.fits = p.ram_fits && p.gpu_fits;
-  p.alltoall_bytes_per_node = AllToAllBytesPerNode(o, p.params, in, p.rows_per_node);
+  p.alltoall_bytes_per_node = AllToAllBytesPerNode(o, p.params, in, p.tokens_per_node);
 
   // The GPU side is the same at every node count, and so is everything of
   // the node's but its share of the experts, which stops shrinking at one

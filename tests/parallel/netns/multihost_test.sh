@@ -1,11 +1,12 @@
 #!/bin/bash
-# Expert parallelism across two simulated hosts (netns_lib.sh: network
+# Expert parallelism across simulated hosts (netns_lib.sh: network
 # namespaces on a bridge, mpirun in a third one, ranks started through an rsh
 # agent, TCP only), one rank per host, `moefit train` on a small model.
 #
 # Usage: multihost_test.sh MODE MOEFIT WORK_DIR
 #   equal     the losses (every step, 1e-5 relative) and `moefit eval` equal one
 #             process over the same global batch;
+#   equal3    the same with three hosts (8 experts: 3, 3 and 2 per rank);
 #   cut       host 2's switch port goes down after step 3: every rank on both
 #             hosts ends within parallel.timeout_s + 15 s of the cut, each having
 #             reported the collective that missed its deadline (exit code 124),
@@ -31,8 +32,8 @@ bound_s=$((timeout_s + 15))
 steps=400  # far more than the cases that fail on purpose get through
 
 case "$mode" in
-  equal | cut | kill | cut_kill | cut_stop) ;;
-  *) echo "usage: $0 equal|cut|kill|cut_kill|cut_stop MOEFIT WORK_DIR (got mode '$mode')" >&2; exit 2 ;;
+  equal | equal3 | cut | kill | cut_kill | cut_stop) ;;
+  *) echo "usage: $0 equal|equal3|cut|kill|cut_kill|cut_stop MOEFIT WORK_DIR (got mode '$mode')" >&2; exit 2 ;;
 esac
 if ! why=$(netns_check); then
   echo "SKIP: simulated hosts are not possible here: $why"
@@ -53,7 +54,9 @@ elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 trap netns_teardown EXIT
 trap 'exit 1' INT TERM
 rm -rf "$dir" && mkdir -p "$dir" || exit 1
-netns_setup "mfnet-$$" 2 || fail "could not make the simulated hosts"
+num_hosts=2
+[ "$mode" = equal3 ] && num_hosts=3
+netns_setup "mfnet-$$" $num_hosts || fail "could not make the simulated hosts"
 netns_hostfile "$dir/hosts" 1 || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 
@@ -63,43 +66,46 @@ model=(--set train.seq_len=32 --set model.hidden_size=64 --set model.head_dim=16
 threads=(-x OMP_NUM_THREADS=1 -x MOEFIT_NUM_THREADS=1)
 # Each rank's stderr goes to its own file (rank<r>.err): what a rank cut off
 # from mpirun prints never reaches mpirun's output.
-on_hosts=("${NETNS_MPIRUN[@]}" -np 2 --hostfile "$dir/hosts" "${threads[@]}"
+on_hosts=("${NETNS_MPIRUN[@]}" -np $num_hosts --hostfile "$dir/hosts" "${threads[@]}"
           "$here/netns_rank_stderr.sh" "$dir")
 
 losses() { grep -o '"loss":[^,]*\|"grad_norm":[^,]*' "$1" | cut -d: -f2; }
 
-if [ "$mode" = equal ]; then
+if [ "$mode" = equal ] || [ "$mode" = equal3 ]; then
+  # The same global batch: 2 sequences per rank, or all in one process.
   train=(train "${model[@]}" --set train.steps=6)
   OMP_NUM_THREADS=1 MOEFIT_NUM_THREADS=1 timeout 60 "$moefit" "${train[@]}" \
-    --set train.micro_batch_size=4 --set logging.metrics_file="$dir/one.jsonl" \
+    --set train.micro_batch_size=$((2 * num_hosts)) --set logging.metrics_file="$dir/one.jsonl" \
     >"$dir/one.log" 2>&1 || fail "1 process: training failed"
   timeout 60 "${on_hosts[@]}" "$moefit" "${train[@]}" --set train.micro_batch_size=2 \
-    --set logging.metrics_file="$dir/two.jsonl" >"$dir/two.log" 2>&1 \
-    || fail "2 hosts: training failed"
+    --set logging.metrics_file="$dir/hosts.jsonl" >"$dir/hosts.log" 2>&1 \
+    || fail "$num_hosts hosts: training failed"
   [ "$(losses "$dir/one.jsonl" | wc -l)" = 12 ] || fail "1 process: not 6 steps of metrics"
-  paste <(losses "$dir/one.jsonl") <(losses "$dir/two.jsonl") | awk '
+  paste <(losses "$dir/one.jsonl") <(losses "$dir/hosts.jsonl") | awk '
     { d = $1 - $2; if (d < 0) d = -d; r = d / ($1 < 0 ? -$1 : $1); if (r > worst) worst = r }
     NF != 2 { bad = 1 }
     END { printf "largest relative difference of loss and grad_norm over 6 steps: %.2g\n", worst
-          exit (bad || worst > 1e-5) }' || fail "losses differ between 1 process and 2 hosts"
+          exit (bad || worst > 1e-5) }' || fail "losses differ between 1 process and $num_hosts hosts"
   evaluate=(eval "${model[@]}" --eval_sequences 8)
   one=$(OMP_NUM_THREADS=1 MOEFIT_NUM_THREADS=1 timeout 60 "$moefit" "${evaluate[@]}" 2>&1 \
         | grep '^eval:') || fail "1 process: eval failed"
-  two=$(timeout 60 "${on_hosts[@]}" "$moefit" "${evaluate[@]}" 2>&1 | grep '^eval:') \
-    || fail "2 hosts: eval failed"
+  many=$(timeout 60 "${on_hosts[@]}" "$moefit" "${evaluate[@]}" 2>&1 | grep '^eval:') \
+    || fail "$num_hosts hosts: eval failed"
   echo "1 process: $one"
-  echo "2 hosts:   $two"
-  [ "$one" = "$two" ] || fail "eval differs between 1 process and 2 hosts"
-  for r in 0 1; do
+  echo "$num_hosts hosts:   $many"
+  [ "$one" = "$many" ] || fail "eval differs between 1 process and $num_hosts hosts"
+  for r in $(seq 0 $((num_hosts - 1))); do
     [ "$(cat "$dir/rank$r.host")" = "${NETNS_HOSTS[$r]}" ] \
       || fail "rank $r ran on '$(cat "$dir/rank$r.host")', not on ${NETNS_HOSTS[$r]}"
   done
-  # Host 2 took part over its link: the token exchange of 6 steps and 8
+  # Every host took part over its link: the token exchange of 6 steps and 8
   # sequences alone is several hundred KiB.
-  bytes=$(netns_port_bytes 2)
-  echo "host 2's link carried $bytes bytes"
-  [ "$bytes" -gt 500000 ] || fail "host 2's link carried only $bytes bytes"
-  echo "ok: 2 ranks on 2 simulated hosts over TCP equal 1 process"
+  for k in $(seq 1 $num_hosts); do
+    bytes=$(netns_port_bytes $k)
+    echo "host $k's link carried $bytes bytes"
+    [ "$bytes" -gt 500000 ] || fail "host $k's link carried only $bytes bytes"
+  done
+  echo "ok: $num_hosts ranks on $num_hosts simulated hosts over TCP equal 1 process"
   rm -rf "$dir"
   exit 0
 fi
@@ -189,6 +195,6 @@ if [ "$mode" = cut ]; then
     echo "mpirun ended too"
   fi
 fi
-echo "ok: $mode: every rank ended non-zero within the bound"
+echo "ok: $mode: every rank ended within the bound, before training was done"
 rm -rf "$dir"
 exit 0

@@ -7,12 +7,14 @@
 #   equal     the losses (every step, 1e-5 relative) and `moefit eval` equal one
 #             process over the same global batch;
 #   equal3    the same with three hosts (8 experts: 3, 3 and 2 per rank);
-#   cut       host 2's switch port goes down after step 3: every rank on both
-#             hosts ends within parallel.timeout_s + 15 s of the cut, each having
-#             reported the collective that missed its deadline (exit code 124),
-#             the one on the cut-off host included, which cannot reach mpirun;
-#   kill      mpirun is killed (SIGKILL) after step 3: every rank ends within
-#             the bound (each host's daemon loses mpirun and ends its ranks);
+#   cut       host 2's switch port goes down once 3 steps are done: every
+#             rank on both hosts ends within parallel.timeout_s + 15 s of the
+#             cut, each having reported the collective that missed its deadline
+#             (exit code 124), the one on the cut-off host included, which
+#             cannot reach mpirun;
+#   kill      mpirun is killed (SIGKILL) once 3 steps are done: every rank ends
+#             within the bound (each host's daemon loses mpirun and ends its
+#             ranks);
 #   cut_kill  host 2's port goes down, then mpirun is killed: host 2 hears of
 #             neither, and its rank must end by its own deadline;
 #   cut_stop  host 2's port goes down and its daemon stops (SIGSTOP): the
@@ -21,6 +23,8 @@
 # Exits 77 (ctest's SKIP_RETURN_CODE) with the reason where network
 # namespaces cannot be made (not root, no `ip netns`, no veth).
 set -u
+usage="usage: $0 equal|equal3|cut|kill|cut_kill|cut_stop MOEFIT WORK_DIR"
+[ $# -eq 3 ] || { echo "$usage" >&2; exit 2; }
 mode=$1
 moefit=$2
 dir=$3
@@ -33,7 +37,7 @@ steps=400  # far more than the cases that fail on purpose get through
 
 case "$mode" in
   equal | equal3 | cut | kill | cut_kill | cut_stop) ;;
-  *) echo "usage: $0 equal|equal3|cut|kill|cut_kill|cut_stop MOEFIT WORK_DIR (got mode '$mode')" >&2; exit 2 ;;
+  *) echo "$usage (got mode '$mode')" >&2; exit 2 ;;
 esac
 if ! why=$(netns_check); then
   echo "SKIP: simulated hosts are not possible here: $why"

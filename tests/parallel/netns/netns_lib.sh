@@ -15,8 +15,9 @@
 # TCP only (NETNS_MPI_ARGS): no shared memory, no other transport, so every
 # byte between ranks crosses the veth links and a link taken down stops it.
 #
-# Functions (all return non-zero with a message on stderr on failure):
-#   netns_check                 why namespaces cannot be made here, if so
+# Functions (non-zero status on failure, with the failing command's message):
+#   netns_check                 prints why namespaces cannot be made here and
+#                               returns non-zero, if so
 #   netns_setup PREFIX N        make the set with N hosts; NETNS_HOSTS = names
 #   netns_teardown              kill what runs in the set, delete it (idempotent)
 #   netns_hostfile FILE SLOTS   a hostfile naming the N hosts

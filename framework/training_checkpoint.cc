@@ -37,6 +37,7 @@
 #include "checkpoint/training_manifest.h"
 #include "framework/adamw.h"
 #include "framework/output_dir.h"
+#include "parallel/progress.h"
 #include "proto/status_macros.h"
 #include "proto/training_checkpoint.pb.h"
 
@@ -811,7 +812,11 @@ absl::StatusOr<bool> Checkpointer::AtStepEnd(int64_t steps_done) {
                         NowSeconds() - last_save_time_ >= options_.save_every_minutes * 60;
   at::Tensor flags = at::tensor(
       {static_cast<int64_t>(StopRequested()), static_cast<int64_t>(time_due)}, at::kLong);
-  world.AllReduce(flags, parallel::ReduceOp::kMax)->WaitOrThrow();
+  {
+    // A rank done with its step early waits here: the step's deadline applies.
+    const parallel::ScopedStepEnd step_end(steps_done);
+    world.AllReduce(flags, parallel::ReduceOp::kMax)->WaitOrThrow();
+  }
   const bool stop = flags[0].item<int64_t>() != 0;
   const bool due = stop || flags[1].item<int64_t>() != 0 ||
                    (options_.save_every_steps > 0 && steps_done % options_.save_every_steps == 0) ||

@@ -42,6 +42,14 @@ ScopedStep::ScopedStep(int64_t step) {
 
 ScopedStep::~ScopedStep() { in_step.store(false, std::memory_order_relaxed); }
 
+ScopedStepEnd::ScopedStepEnd(int64_t step)
+    : previous_in_step_(in_step.exchange(true, std::memory_order_relaxed)),
+      phase_("end of step (agreeing whether to stop or save)") {
+  current_step.store(step, std::memory_order_relaxed);
+}
+
+ScopedStepEnd::~ScopedStepEnd() { in_step.store(previous_in_step_, std::memory_order_relaxed); }
+
 ScopedLayer::ScopedLayer(int64_t layer_idx)
     : previous_(current_layer.exchange(layer_idx, std::memory_order_relaxed)) {
   if (InTrainingStep()) MaybeInjectFault(CurrentStep(), layer_idx);

@@ -61,6 +61,25 @@ class ScopedPhase {
   const bool previous_backward_;
 };
 
+// Marks the end of training step `step`, where the ranks agree on whether to
+// stop or save, as still part of the step: its collectives get
+// parallel.timeout_s too, and a report names the step and "end of step". A
+// rank that finishes its step early waits there for the others; were it
+// outside the step, a peer lost at that moment would keep it waiting for
+// parallel.startup_timeout_s. A save that follows belongs outside it. No
+// test fault acts here (those act where a step or a layer starts).
+class ScopedStepEnd {
+ public:
+  explicit ScopedStepEnd(int64_t step);
+  ~ScopedStepEnd();
+  ScopedStepEnd(const ScopedStepEnd&) = delete;
+  ScopedStepEnd& operator=(const ScopedStepEnd&) = delete;
+
+ private:
+  const bool previous_in_step_;
+  const ScopedPhase phase_;
+};
+
 // Whether a training step is running, and the last one that began (0: none yet).
 bool InTrainingStep();
 int64_t CurrentStep();

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the whole test suite: every ctest
-# test (unit, model, cli, mpi, sanitizer labels) and the interop tests against
+# test (unit, model, cli, mpi, netns, sanitizer labels) and the interop tests against
 # the real Python clients (tests/interop, pytest).
 set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

@@ -96,6 +96,28 @@ TEST_F(WatchdogTest, StepDeadlineInsideAStepStartupDeadlineOutside) {
   EXPECT_EQ(CollectiveTimeout(), absl::Seconds(5));
 }
 
+// Where the ranks agree to stop or save after a step, a rank that finished
+// early waits for the others: the step's deadline, and a report that says so.
+TEST_F(WatchdogTest, StepEndHasTheStepDeadline) {
+  {
+    const ScopedStepEnd step_end(7);
+    EXPECT_TRUE(InTrainingStep());
+    EXPECT_EQ(CollectiveTimeout(), absl::Milliseconds(300));
+    SlowWork never("AllReduce(max) on 'world'", absl::InfiniteDuration());
+    EXPECT_THROW(never.WaitOrThrow(), c10::Error);
+  }
+  EXPECT_FALSE(InTrainingStep());
+  EXPECT_EQ(CollectiveTimeout(), absl::Seconds(5));
+  EXPECT_EQ(CurrentPhase(), nullptr);
+  const std::vector<Report> reports = Reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_LT(reports[0].after, absl::Milliseconds(300) + absl::Milliseconds(250));
+  EXPECT_THAT(reports[0].message,
+              HasSubstr("AllReduce(max) on 'world' did not finish within 300ms "
+                        "(parallel.timeout_s); in training step 7, end of step (agreeing whether "
+                        "to stop or save)"));
+}
+
 TEST_F(WatchdogTest, WaiterReportsAPassedDeadlineWithTheOperationAndTheProgress) {
   const ScopedStep step(3);
   SlowWork("AllReduce(sum) on 'world'", absl::ZeroDuration()).WaitOrThrow();

@@ -57,6 +57,8 @@ class NcclCommunicator final : public Communicator {
 
   std::string BackendName() const override { return "NCCL"; }
   c10::Device device() const override;
+  // NCCL calls only enqueue work on a stream; any one thread at a time may.
+  bool PostsFromAnyThread() const override { return true; }
 
   std::shared_ptr<Work> AllToAllCounts(const at::Tensor& send_counts,
                                        const at::Tensor& recv_counts) override;

@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "experts/expert_function.h"
 #include "framework/adamw.h"
+#include "framework/internal/host_transfer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
@@ -167,6 +168,7 @@ StepStats Trainer::Step(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const double expert_start = experts::ExpertComputeSeconds();
   const double comm_start = parallel::CommunicationWaitSeconds();
+  const int64_t pcie_start = internal::PcieBytes();
   const int64_t mb = o.micro_batch_size;
   const int64_t per_micro = mb * dp.size();
   const std::vector<int64_t> global = s.sampler.GlobalBatch(step, per_micro * o.grad_accum_steps);
@@ -263,6 +265,7 @@ StepStats Trainer::Step(int64_t step) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
   stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
+  stats.pcie_bytes = internal::PcieBytes() - pcie_start;
   return stats;
 }
 
@@ -319,6 +322,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_step_s(st.seconds);
       m.set_expert_s(st.expert_seconds);
       m.set_comm_s(st.comm_seconds);
+      m.set_pcie_bytes(st.pcie_bytes);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);

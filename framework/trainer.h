@@ -93,6 +93,7 @@ struct StepStats {
   double seconds = 0;         // wall clock of the step
   double expert_seconds = 0;  // of which in the expert backends
   double comm_seconds = 0;    // of which blocked in collectives
+  int64_t pcie_bytes = 0;     // activations copied between GPU and host, both ways
   std::vector<LayerLoad> moe_layers;
 };
 

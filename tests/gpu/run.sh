@@ -90,7 +90,7 @@ run() {  # name, processes, micro-batch, extra sets...
   if [ "$np" = 1 ]; then
     MOEFIT_NUM_THREADS=$threads "${cmd[@]}" >"$out/$name.log" 2>&1
   else
-    mpirun -np "$np" --oversubscribe --bind-to none -x MOEFIT_NUM_THREADS=$((threads / np)) \
+    "$usr/bin/mpirun.openmpi" -np "$np" --oversubscribe --bind-to none -x MOEFIT_NUM_THREADS=$((threads / np)) \
       -x LD_LIBRARY_PATH -x OPAL_PREFIX "${cmd[@]}" >"$out/$name.log" 2>&1
   fi || { tail -20 "$out/$name.log"; say "demo '$name' failed"; exit 1; }
   say "demo '$name' done"
@@ -100,7 +100,8 @@ run gpu 1 8 --set parallel.device=cuda
 run gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16
 run gpu_shared_np2 2 4 --set parallel.device=cuda --set parallel.ranks_per_gpu=2
 
-"$python" - "$out" <<'PY'
+status=0
+"$python" - "$out" <<'PY' || status=$?
 import json, sys
 out = sys.argv[1]
 def load(name):
@@ -132,7 +133,6 @@ for name in ("gpu", "gpu_bf16", "gpu_shared_np2"):
           f"{comm*1e3:.1f} ms; PCIe {pcie/2**20:.2f} MiB per step")
 sys.exit(0 if ok else 1)
 PY
-status=$?
 grep -h "Passed\|Failed\|Skipped\|tests passed" "$out.ctest.log" | sed 's/^/  ctest -L gpu: /' || true
 say "done"
 exit $status

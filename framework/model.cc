@@ -13,6 +13,7 @@
 #include "experts/expert_function.h"
 #include "experts/registry.h"
 #include "framework/attention.h"
+#include "framework/internal/host_transfer.h"
 #include "framework/recompute.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
@@ -434,8 +435,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   routing->expert_count = stats.expert_count.to(at::kCPU);
   routing->correction_bias = l.correction_bias;
 
-  // c. Activations to the host, in the experts' dtype.
-  at::Tensor x_host = x.to(at::kCPU).to(runtime_.expert_dtype);
+  // c. Activations to the host, in the experts' dtype (converted first: fewer bytes cross).
+  at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_dtype), at::kCPU);
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
   const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU),
@@ -451,7 +452,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   }
   at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, ffn);
   // g. Combine: each token's routing-weighted sum over its experts comes home.
-  at::Tensor out = dispatcher_->Combine(y, *rows.route).to(x.scalar_type()).to(x.device());
+  at::Tensor out = dispatcher_->Combine(y, *rows.route).to(x.scalar_type());
+  out = internal::MoveActivations(out, x.device());  // back to the dense device
   if (l.shared_gate.defined()) {
     out = out + at::sigmoid(Linear(x, l.shared_gate, {}, l.shared_gate_lora)) * SwiGlu(x, l.mlp);
   } else if (l.mlp.gate.defined()) {

@@ -2,6 +2,7 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <google/protobuf/util/json_util.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -9,11 +10,13 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "experts/expert_function.h"
 #include "framework/adamw.h"
+#include "framework/internal/host_transfer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
@@ -58,6 +61,37 @@ at::Tensor SumOver(parallel::Communicator& comm, at::Tensor t) {
   return t;
 }
 
+// Autocast of the dense device for the life of the scope (the forward pass
+// and the loss): matrix products in `dtype`, the float32 parameters cast once
+// per forward (LibTorch's cast cache) and their gradients float32. Nothing
+// when dtype is float32.
+class DenseAutocast {
+ public:
+  DenseAutocast(c10::Device device, at::ScalarType dtype)
+      : active_(dtype != at::kFloat), type_(device.type()) {
+    if (!active_) return;
+    previous_enabled_ = at::autocast::is_autocast_enabled(type_);
+    previous_dtype_ = at::autocast::get_autocast_dtype(type_);
+    at::autocast::set_autocast_enabled(type_, true);
+    at::autocast::set_autocast_dtype(type_, dtype);
+    at::autocast::increment_nesting();
+  }
+  ~DenseAutocast() {
+    if (!active_) return;
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(type_, previous_enabled_);
+    at::autocast::set_autocast_dtype(type_, previous_dtype_);
+  }
+  DenseAutocast(const DenseAutocast&) = delete;
+  DenseAutocast& operator=(const DenseAutocast&) = delete;
+
+ private:
+  const bool active_;
+  const c10::DeviceType type_;
+  bool previous_enabled_ = false;
+  at::ScalarType previous_dtype_ = at::kFloat;
+};
+
 // FNV-1a of a parameter's name: the same on every rank and every run.
 uint64_t NameKey(const std::string& name) {
   uint64_t h = 0xcbf29ce484222325ull;
@@ -75,6 +109,9 @@ struct Trainer::Impl {
   BatchSampler sampler;
   std::unique_ptr<FusedAdamW> optimizer;
   std::vector<at::Tensor> dense_params, expert_params;
+  // Sums the dense gradients during the last micro-batch's backward; null:
+  // after backward (options.overlap_grad_sync off, or one data-parallel rank).
+  std::unique_ptr<parallel::OverlappedGradSync> dense_sync;
   int64_t first_step = 0;
 
   Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
@@ -88,6 +125,10 @@ struct Trainer::Impl {
     // same masks, run after run; each rank its own stream.
     at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
+    const c10::Device dense_device = model.runtime().dense_device;
+    TORCH_CHECK(dense_device.is_cuda() || (o.dense_autocast == at::kFloat && !o.allow_tf32),
+                "a bfloat16 dense dtype and TF32 need the dense layers on a GPU");
+    if (o.allow_tf32) at::globalContext().setAllowTF32CuBLAS(true);
     for (const Parameter& p : model.trainable_parameters()) {
       (p.expert ? expert_params : dense_params).push_back(p.tensor);
     }
@@ -105,6 +146,17 @@ struct Trainer::Impl {
     for (const MoeModel::MasterCopy& mc : model.expert_master_copies()) {
       optimizer->AttachCopy(mc.master, mc.copy, NameKey(mc.name), mc.first_element);
     }
+    if (o.overlap_grad_sync && dense_grad_group().size() > 1 && !dense_params.empty()) {
+      absl::StatusOr<std::unique_ptr<parallel::OverlappedGradSync>> sync =
+          parallel::OverlappedGradSync::Create(dense_grad_group(), dense_params,
+                                               {.bucket_bytes = o.grad_bucket_bytes});
+      TORCH_CHECK(sync.ok(), sync.status().ToString());
+      dense_sync = *std::move(sync);
+    }
+  }
+
+  parallel::Communicator& dense_grad_group() const {
+    return groups.dense_gradients != nullptr ? *groups.dense_gradients : *groups.data_parallel;
   }
 
   static std::vector<at::Tensor> Grads(const std::vector<at::Tensor>& params) {
@@ -123,7 +175,12 @@ struct Trainer::Impl {
   // on all ranks after the sum; each expert's are counted once, on its owner
   // within the expert-parallel group.
   double SyncAndClip(double max_norm) {
-    parallel::AllReduceSum(*groups.data_parallel, Grads(dense_params));
+    if (dense_sync != nullptr) {
+      dense_sync->Finish();
+    } else {
+      parallel::AllReduceSum(dense_grad_group(), Grads(dense_params),
+                             {.bucket_bytes = options.grad_bucket_bytes});
+    }
     parallel::AllReduceSum(*groups.expert_data_parallel, Grads(expert_params));
     at::Tensor expert_sq = at::full({1}, SquaredNorm(expert_params), at::kDouble);
     const double sq = SquaredNorm(dense_params) +
@@ -167,6 +224,7 @@ StepStats Trainer::Step(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   const double expert_start = experts::ExpertComputeSeconds();
   const double comm_start = parallel::CommunicationWaitSeconds();
+  const int64_t pcie_start = internal::PcieBytes();
   const int64_t mb = o.micro_batch_size;
   const int64_t per_micro = mb * dp.size();
   const std::vector<int64_t> global = s.sampler.GlobalBatch(step, per_micro * o.grad_accum_steps);
@@ -191,8 +249,11 @@ StepStats Trainer::Step(int64_t step) {
   std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
   std::vector<at::Tensor> correction_biases;  // of each row of `load` (undefined: none)
   for (const Batch& batch : micro) {
+    std::optional<DenseAutocast> autocast;
+    autocast.emplace(s.model.runtime().dense_device, o.dense_autocast);
     ForwardResult out = s.model.Forward(batch.input_ids, batch.position_ids, batch.segment_ids);
     LossSum ce = CausalLmLossSum(out.logits, batch.labels);
+    autocast.reset();  // the loss terms below and backward run as recorded
     at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {
       std::vector<at::Tensor> counts;
@@ -229,6 +290,8 @@ StepStats Trainer::Step(int64_t step) {
       }
     }
     loss_here += ce.sum.item<double>();
+    // The last backward completes the gradients: its buckets go out as they fill.
+    if (s.dense_sync != nullptr && &batch == &micro.back()) s.dense_sync->Arm();
     loss.backward();
     stats.tokens += batch.input_ids.numel() * dp.size();
   }
@@ -263,6 +326,7 @@ StepStats Trainer::Step(int64_t step) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
   stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
+  stats.pcie_bytes = internal::PcieBytes() - pcie_start;
   return stats;
 }
 
@@ -319,6 +383,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_step_s(st.seconds);
       m.set_expert_s(st.expert_seconds);
       m.set_comm_s(st.comm_seconds);
+      m.set_pcie_bytes(st.pcie_bytes);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);

@@ -66,6 +66,16 @@ struct TrainOptions {
   // Aux-loss-free balancing: per-step move of each correction bias (routers
   // with e_score_correction_bias only); 0 = frozen.
   double bias_update_rate = 0.001;
+  // Compute dtype of the dense layers (CUDA autocast when bfloat16; the
+  // parameters stay float32) and whether float32 GPU matrix products may use
+  // TF32. Both need the dense layers on a GPU.
+  at::ScalarType dense_autocast = at::kFloat;
+  bool allow_tf32 = false;
+  // Dense gradients summed bucket by bucket during the last micro-batch's
+  // backward (parallel::OverlappedGradSync), or all after it
+  // (parallel::AllReduceSum): the same sums.
+  bool overlap_grad_sync = true;
+  int64_t grad_bucket_bytes = 32 << 20;
   std::string metrics_file;  // JSON Lines; empty = none (written by rank 0)
   int64_t log_every = 1;
 };
@@ -93,6 +103,7 @@ struct StepStats {
   double seconds = 0;         // wall clock of the step
   double expert_seconds = 0;  // of which in the expert backends
   double comm_seconds = 0;    // of which blocked in collectives
+  int64_t pcie_bytes = 0;     // activations copied between GPU and host, both ways
   std::vector<LayerLoad> moe_layers;
 };
 

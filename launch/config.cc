@@ -71,6 +71,9 @@ const char kDefaults[] = R"pb(
     dispatcher: "alltoall"
     timeout_s: 300
     startup_timeout_s: 1800
+    ranks_per_gpu: 1
+    grad_sync: "overlap"
+    grad_bucket_bytes: 33554432
   }
   checkpoint { max_shard_bytes: 5000000000 }
   logging { log_every: 1 }
@@ -973,6 +976,53 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
       return Invalid(absl::StrCat(name, " = ", seconds, " must be a positive number of seconds"));
     }
   }
+  const std::string& dense_dtype = c.train().dense_dtype();
+  if (dense_dtype == "float32" || dense_dtype.empty()) {
+    run.train.dense_autocast = at::kFloat;
+  } else if (dense_dtype == "bfloat16") {
+    run.train.dense_autocast = at::kBFloat16;
+  } else {
+    return Invalid(
+        absl::StrCat("train.dense_dtype = '", dense_dtype, "' must be float32 or bfloat16"));
+  }
+  for (const auto& [field, on] :
+       {std::pair<const char*, bool>{"train.dense_dtype = 'bfloat16'",
+                                     run.train.dense_autocast != at::kFloat},
+        {"train.allow_tf32", c.train().allow_tf32()}}) {
+    if (on && !run.runtime.dense_device.is_cuda()) {
+      return absl::FailedPreconditionError(
+          absl::StrCat(field,
+                       " applies to the dense layers on a GPU, but they run on the CPU here "
+                       "(parallel.device = '",
+                       dev, "'", dev == "auto" ? ": LibTorch sees no CUDA device" : "", ")"));
+    }
+  }
+  if (run.train.dense_autocast != at::kFloat &&
+      run.runtime.recompute == framework::Recompute::kFull) {
+    // The layers would run again in backward, outside the forward's autocast.
+    return Invalid(
+        "train.dense_dtype = 'bfloat16' cannot be combined with train.recompute = 'full'; use "
+        "train.recompute = 'experts' or 'none'");
+  }
+  run.train.allow_tf32 = c.train().allow_tf32();
+  if (c.parallel().ranks_per_gpu() < 1) {
+    return Invalid(
+        absl::StrCat("parallel.ranks_per_gpu = ", c.parallel().ranks_per_gpu(), " must be >= 1"));
+  }
+  run.ranks_per_gpu = c.parallel().ranks_per_gpu();
+  if (c.parallel().grad_sync() == "overlap") {
+    run.train.overlap_grad_sync = true;
+  } else if (c.parallel().grad_sync() == "after_backward") {
+    run.train.overlap_grad_sync = false;
+  } else {
+    return Invalid(absl::StrCat("parallel.grad_sync = '", c.parallel().grad_sync(),
+                                "' must be overlap or after_backward"));
+  }
+  if (c.parallel().grad_bucket_bytes() <= 0) {
+    return Invalid(absl::StrCat("parallel.grad_bucket_bytes = ", c.parallel().grad_bucket_bytes(),
+                                " must be positive"));
+  }
+  run.train.grad_bucket_bytes = c.parallel().grad_bucket_bytes();
   run.timeout_s = c.parallel().timeout_s();
   run.startup_timeout_s = c.parallel().startup_timeout_s();
 

@@ -58,6 +58,8 @@ struct RunConfig {
   framework::TrainOptions train;
   int64_t seq_len = 0;
   int ep_size = 0;  // 0 = the world
+  // Processes of a node that may share one GPU (parallel/node_devices.h).
+  int ranks_per_gpu = 1;
   DataSpec data;
   std::string model_path;        // pretrained weights; empty = random init
   std::string base_config_json;  // config.json the shape came from, if any

@@ -2,6 +2,8 @@
 #include "launch/train_command.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/cuda.h>
 
 #include <cstdio>
 #include <filesystem>
@@ -21,6 +23,9 @@
 #include "launch/corpus.h"
 #include "launch/memory_report.h"
 #include "parallel/process_groups.h"
+#ifdef MOEFIT_HAS_NCCL
+#include "parallel/nccl_communicator.h"
+#endif
 #include "proto/status_macros.h"
 
 namespace moefit::launch {
@@ -39,6 +44,18 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   out.groups = std::move(*groups);
   run.runtime.expert_group = out.groups.expert_parallel;
+  if (run.runtime.dense_device.is_cuda()) {
+    // One GPU per process of the node (or shared, as parallel.ranks_per_gpu allows).
+    MOEFIT_ASSIGN_OR_RETURN(const parallel::NodeRank node,
+                            parallel::FindNodeRank(*out.groups.world));
+    const int num_gpus = static_cast<int>(torch::cuda::device_count());
+    MOEFIT_ASSIGN_OR_RETURN(const int gpu_idx,
+                            parallel::ChooseGpu(node, num_gpus, {run.ranks_per_gpu}));
+    run.runtime.dense_device = c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpu_idx));
+    // LibTorch's current device too, so that nothing lands on GPU 0 by default.
+    c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(run.runtime.dense_device);
+    out.gpu_per_process = parallel::GpuPerProcess(node, num_gpus);
+  }
   if (run.runtime.recompute == framework::Recompute::kFull && !run.runtime.dense_device.is_cpu() &&
       out.groups.world->size() > 1) {
     // Its recomputation would run the layer's collectives on the GPU's autograd
@@ -191,6 +208,21 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
           "logging.metrics_file: cannot open '", run.train.metrics_file, "' for writing"));
     }
   }
+#ifdef MOEFIT_HAS_NCCL
+  if (built.gpu_per_process && groups.data_parallel->size() > 1) {
+    // Dense gradients stay on the GPUs: NCCL over the data-parallel ranks.
+    MOEFIT_ASSIGN_OR_RETURN(
+        built.groups.dense_gradients,
+        parallel::NcclCommunicator::Create(
+            groups.data_parallel,
+            {.name = "dense", .device_idx = model->runtime().dense_device.index()}));
+  }
+#endif
+  log << "moefit: dense gradients summed over "
+      << (groups.dense_gradients != nullptr ? groups.dense_gradients : groups.data_parallel)
+             ->BackendName()
+      << (run.train.overlap_grad_sync ? ", bucket by bucket during backward" : ", after backward")
+      << std::endl;
   framework::Trainer trainer(*model, *data, run.train, &groups);
   if (!resume_dir.empty()) {
     MOEFIT_ASSIGN_OR_RETURN(

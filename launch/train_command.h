@@ -10,6 +10,7 @@
 #include "framework/model.h"
 #include "launch/config.h"
 #include "parallel/communicator.h"
+#include "parallel/node_devices.h"
 #include "parallel/process_groups.h"
 
 namespace moefit::launch {
@@ -22,6 +23,9 @@ namespace moefit::launch {
 struct ParallelModel {
   parallel::ProcessGroups groups;
   std::unique_ptr<framework::MoeModel> model;
+  // With the dense layers on a GPU: whether every process of this node has
+  // one of its own (parallel/node_devices.h).
+  bool gpu_per_process = false;
 };
 absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run,
                                          std::shared_ptr<parallel::Communicator> world,

@@ -116,6 +116,12 @@ class Communicator {
   // Where this backend's tensors must live.
   virtual c10::Device device() const = 0;
 
+  // Optional capability: whether collectives may also be started from a
+  // thread other than the one that made the communicator, while that thread
+  // waits (autograd's device threads run gradient hooks during backward).
+  // Still one thread at a time. MPI is started MPI_THREAD_FUNNELED: false.
+  virtual bool PostsFromAnyThread() const { return false; }
+
   // Equal-split all-to-all of int64 counts. `send_counts` and `recv_counts` are
   // [size(), k...]: row p of send_counts goes to rank p, and row p of
   // recv_counts is what rank p sent here. Used before AllToAllV so that each

@@ -26,6 +26,7 @@
 #include "absl/time/clock.h"
 #include "parallel/foreign_check.h"
 #include "parallel/internal/collective_checks.h"
+#include "parallel/watchdog.h"
 
 namespace moefit::parallel {
 
@@ -292,13 +293,28 @@ absl::StatusOr<std::shared_ptr<NcclCommunicator>> NcclCommunicator::Create(
   if (bootstrap->rank() == 0) MOEFIT_CHECK_FOREIGN(ncclGetUniqueId(&unique_id));
   at::Tensor id_bytes = at::empty({static_cast<int64_t>(sizeof(unique_id))}, at::kByte);
   std::memcpy(id_bytes.data_ptr(), &unique_id, sizeof(unique_id));
-  if (absl::Status status = bootstrap->Broadcast(id_bytes, /*root_rank=*/0)->Wait(); !status.ok())
-    return status;
+  // Both steps wait for every rank, so both have the collective deadline: a
+  // rank that never arrives ends the job with the watchdog's message.
+  const absl::Duration timeout = CollectiveTimeout();
+  {
+    const std::shared_ptr<Work> work = bootstrap->Broadcast(id_bytes, /*root_rank=*/0);
+    WatchdogScope watch(work->Description(), timeout);
+    const absl::Status status = work->Wait(timeout);
+    if (absl::IsDeadlineExceeded(status)) watch.Expire();
+    if (!status.ok()) return status;
+  }
   std::memcpy(&unique_id, id_bytes.data_ptr(), sizeof(unique_id));
 
   ncclComm* raw_comm = nullptr;
-  MOEFIT_CHECK_FOREIGN(
-      ncclCommInitRank(&raw_comm, bootstrap->size(), unique_id, bootstrap->rank()));
+  {
+    // ncclCommInitRank blocks until every rank has called it; the watchdog's
+    // background thread ends the job if it is still inside after the deadline.
+    WatchdogScope watch(absl::StrCat("ncclCommInitRank of NCCL communicator '", options.name,
+                                     "' (rank ", bootstrap->rank(), " of ", bootstrap->size(), ")"),
+                        timeout);
+    MOEFIT_CHECK_FOREIGN(
+        ncclCommInitRank(&raw_comm, bootstrap->size(), unique_id, bootstrap->rank()));
+  }
   return std::shared_ptr<NcclCommunicator>(
       new NcclCommunicator(OwnComm(raw_comm), std::move(bootstrap), device_idx, options.name));
 }

@@ -46,7 +46,8 @@ class NcclCommunicator final : public Communicator {
  public:
   // Collective over `bootstrap` (a CPU communicator, e.g. MPI): the new
   // communicator has the same ranks. Fails with FailedPrecondition when no CUDA
-  // device is visible.
+  // device is visible. Waits for the other ranks at most the collective
+  // deadline (parallel/watchdog.h); then the watchdog ends the job.
   static absl::StatusOr<std::shared_ptr<NcclCommunicator>> Create(
       std::shared_ptr<Communicator> bootstrap, const NcclCommunicatorOptions& options = {});
 
@@ -57,6 +58,8 @@ class NcclCommunicator final : public Communicator {
 
   std::string BackendName() const override { return "NCCL"; }
   c10::Device device() const override;
+  // NCCL calls only enqueue work on a stream; any one thread at a time may.
+  bool PostsFromAnyThread() const override { return true; }
 
   std::shared_ptr<Work> AllToAllCounts(const at::Tensor& send_counts,
                                        const at::Tensor& recv_counts) override;

@@ -31,6 +31,10 @@ struct ProcessGroups {
   std::shared_ptr<Communicator> expert_parallel;
   std::shared_ptr<Communicator> expert_data_parallel;
   std::shared_ptr<Communicator> data_parallel;  // the same object as world
+  // Where the dense gradients are summed: the data-parallel ranks over a
+  // device-side backend (NCCL) when every rank has a GPU of its own; null
+  // means data_parallel itself. Set by the caller, not MakeProcessGroups.
+  std::shared_ptr<Communicator> dense_gradients;
   int ep_size = 0;
   // Which copy of the experts this rank helps hold: world rank / ep_size, in
   // [0, world size / ep_size); also this rank's rank in expert_data_parallel.

@@ -374,7 +374,7 @@ TEST(ConfigErrors, BadOverrides) {
             "--set 'train.steps': expected FIELD=VALUE, e.g. optimizer.lr=3e-4");
   EXPECT_EQ(ErrorOf("", {"train=3"}),
             "--set train=3: 'train' is a message; set one of its fields (steps, micro_batch_size, "
-            "grad_accum_steps, seq_len, seed, mode, recompute)");
+            "grad_accum_steps, seq_len, seed, mode, recompute, dense_dtype, allow_tf32)");
 }
 
 TEST(ConfigErrors, LoraSettings) {

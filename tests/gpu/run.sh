@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The GPU checks, for a machine with an NVIDIA GPU where python3 holds the
+# torch wheel (with CUDA), nvcc, CMake, ninja and a C++ compiler are
+# installed, and moefit's other dependencies may not be. Nothing is fetched:
+# the Debian 12 packages come from a folder made by tests/gpu/fetch_debs.sh
+# and are unpacked (dpkg -x) into a prefix of their own, never into /.
+#
+#   tests/gpu/run.sh [DEB_DIR]        (default: .gpu-debs in the checkout)
+#
+# Builds only what the checks need (all cores), runs every test labelled gpu
+# (each skips with a message where no GPU is visible), then, with a GPU, a
+# short training of the demo model: dense layers on the CPU, on the GPU, on
+# the GPU in bfloat16, and 2 processes sharing the GPU; and prints a summary:
+#   * dense-on-GPU losses equal dense-on-CPU within 1e-3 relative per step
+#     (float32; the GEMMs sum in another order, which grows over the steps);
+#   * bfloat16 dense compute tracks float32 within 2% per step;
+#   * 2 processes sharing the GPU equal 1 process within 1e-3 relative;
+#   * the step split (dense GPU / expert CPU / communication) and the bytes
+#     across PCIe per step, from the metrics files.
+# Where no GPU is visible it builds, runs the (skipping) gpu tests and says
+# so. Environment: MOEFIT_GPU_PREFIX (default /tmp/moefit-deps),
+# MOEFIT_GPU_BUILD (default /tmp/moefit-gpu-build), PYTHON (default python3).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+debs=${1:-$root/.gpu-debs}
+prefix=${MOEFIT_GPU_PREFIX:-/tmp/moefit-deps}
+build=${MOEFIT_GPU_BUILD:-/tmp/moefit-gpu-build}
+python=${PYTHON:-python3}
+out=$build/gpu-check
+start=$(date +%s)
+say() { echo "run.sh [$(($(date +%s) - start)) s]: $*"; }
+
+# 1. The dependencies, into the prefix.
+ls "$debs"/*.deb >/dev/null 2>&1 || { echo "run.sh: no .deb files in $debs (make them with tests/gpu/fetch_debs.sh)" >&2; exit 2; }
+mkdir -p "$prefix"
+for f in "$debs"/*.deb; do
+  if command -v dpkg >/dev/null; then
+    dpkg -x "$f" "$prefix"
+  else  # a .deb is an ar archive; its files are in data.tar.xz
+    ar p "$f" data.tar.xz | tar -xJ -C "$prefix"
+  fi
+done
+usr=$prefix/usr
+lib=$usr/lib/x86_64-linux-gnu
+export PATH=$usr/bin:$PATH
+export LD_LIBRARY_PATH=$lib:$lib/openmpi/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# Open MPI and its PMIx find their plugins and help files from these.
+export OPAL_PREFIX=$usr
+export PMIX_INSTALL_PREFIX=$usr
+export PMIX_MCA_mca_base_component_path=$lib/pmix2/lib/pmix
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+say "unpacked $(ls "$debs"/*.deb | wc -l) packages into $prefix"
+
+# 2. Configure and build what the checks run.
+torch_prefix=$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')
+say "torch $("$python" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda)')"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEFIT_BUILD_BENCHMARKS=OFF \
+  -DCMAKE_PREFIX_PATH="$torch_prefix;$usr" -DMPI_CXX_COMPILER="$usr/bin/mpicxx.openmpi" \
+  -DMPIEXEC_EXECUTABLE="$usr/bin/mpirun.openmpi" -DProtobuf_PROTOC_EXECUTABLE="$usr/bin/protoc" \
+  >"$build.configure.log" 2>&1 || { tail -40 "$build.configure.log"; exit 1; }
+grep "moefit: torch" "$build.configure.log" || true
+targets=(moefit framework_host_transfer_gpu_test parallel_grad_sync_test parallel_node_devices_test)
+grep -q "NCCL backend: ON" "$build.configure.log" && targets+=(parallel_nccl_communicator_test)
+cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" >"$build.build.log" 2>&1 \
+  || { grep -E "error|Error" "$build.build.log" | head -40; exit 1; }
+say "built ${targets[*]}"
+
+# 3. Every gpu test (and the CPU tests of the same code, as a check of the build).
+(cd "$build" && ctest -L gpu --output-on-failure) | tee "$out.ctest.log" | tail -15
+(cd "$build" && ctest -R "parallel_grad_sync|parallel_node_devices" --output-on-failure | tail -4)
+
+if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+  say "no CUDA device visible: the gpu tests above skipped, and the GPU demo does not run"
+  exit 0
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+
+# 4. The demo model, a few steps each way; metrics files compared below.
+mkdir -p "$out"
+moefit=$build/launch/moefit
+common=(--set train.steps=8 --set train.seq_len=128 --set schedule.warmup_steps=2
+        --set logging.log_every=4)
+threads=$(( $(nproc) / 2 ))
+run() {  # name, processes, micro-batch, extra sets...
+  local name=$1 np=$2 mb=$3
+  shift 3
+  local cmd=("$moefit" train "${common[@]}" --set train.micro_batch_size="$mb"
+             --set logging.metrics_file="$out/$name.jsonl" "$@")
+  rm -f "$out/$name.jsonl"
+  if [ "$np" = 1 ]; then
+    MOEFIT_NUM_THREADS=$threads "${cmd[@]}" >"$out/$name.log" 2>&1
+  else
+    "$usr/bin/mpirun.openmpi" -np "$np" --oversubscribe --bind-to none -x MOEFIT_NUM_THREADS=$((threads / np)) \
+      -x LD_LIBRARY_PATH -x OPAL_PREFIX "${cmd[@]}" >"$out/$name.log" 2>&1
+  fi || { tail -20 "$out/$name.log"; say "demo '$name' failed"; exit 1; }
+  say "demo '$name' done"
+}
+run cpu 1 8 --set parallel.device=cpu
+run gpu 1 8 --set parallel.device=cuda
+run gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16
+run gpu_shared_np2 2 4 --set parallel.device=cuda --set parallel.ranks_per_gpu=2
+
+status=0
+"$python" - "$out" <<'PY' || status=$?
+import json, sys
+out = sys.argv[1]
+def load(name):
+    return [json.loads(l) for l in open(f"{out}/{name}.jsonl")]
+runs = {n: load(n) for n in ("cpu", "gpu", "gpu_bf16", "gpu_shared_np2")}
+ok = True
+def compare(label, a, b, rel):
+    global ok
+    worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(runs[a], runs[b]))
+    good = worst <= rel and len(runs[a]) == len(runs[b])
+    ok &= good
+    print(f"  {label}: largest relative loss difference {worst:.2e} (limit {rel:g}) {'ok' if good else 'FAILED'}")
+print("summary:")
+print("  losses cpu:      " + " ".join(f"{m['loss']:.4f}" for m in runs["cpu"]))
+print("  losses gpu:      " + " ".join(f"{m['loss']:.4f}" for m in runs["gpu"]))
+print("  losses gpu bf16: " + " ".join(f"{m['loss']:.4f}" for m in runs["gpu_bf16"]))
+compare("dense on GPU vs on CPU (float32)", "gpu", "cpu", 1e-3)
+compare("bfloat16 vs float32 dense on GPU", "gpu_bf16", "gpu", 2e-2)
+compare("2 processes sharing the GPU vs 1", "gpu_shared_np2", "gpu", 1e-3)
+for name in ("gpu", "gpu_bf16", "gpu_shared_np2"):
+    steps = runs[name][1:] or runs[name]
+    n = len(steps)
+    step = sum(m["step_s"] for m in steps) / n
+    expert = sum(m["expert_s"] for m in steps) / n
+    comm = sum(m["comm_s"] for m in steps) / n
+    pcie = sum(int(m["pcie_bytes"]) for m in steps) / n
+    print(f"  step split {name} (rank 0, mean of steps 2-): {step*1e3:.1f} ms = dense GPU + other "
+          f"{(step-expert-comm)*1e3:.1f} ms, expert CPU {expert*1e3:.1f} ms, communication "
+          f"{comm*1e3:.1f} ms; PCIe {pcie/2**20:.2f} MiB per step")
+sys.exit(0 if ok else 1)
+PY
+grep -h "Passed\|Failed\|Skipped\|tests passed" "$out.ctest.log" | sed 's/^/  ctest -L gpu: /' || true
+say "done"
+exit $status

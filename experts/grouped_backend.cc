@@ -14,6 +14,7 @@
 #include <cmath>
 
 #include "experts/kernels/gemm.h"
+#include "experts/packed_weights.h"
 
 namespace moefit::experts {
 namespace {
@@ -114,11 +115,20 @@ std::vector<kernels::RowPath> ExpertPaths(const std::vector<int64_t>& counts, in
   return paths;
 }
 
-// out = a · w[e]ᵀ (transposed) or a · w[e].
+using Packs = PackedWeightCache::Packs;
+
+// out = a · w[e]ᵀ (transposed) or a · w[e], with w's packs made ahead for
+// this orientation where there are (the blocked path; the streamed one reads
+// w as it is).
 void WeightMm(at::Tensor out, const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale,
-              int64_t e, bool transposed, kernels::RowPath path) {
+              int64_t e, bool transposed, kernels::RowPath path, const Packs* packs) {
   if (!OnKernels(a)) {
     MmInto(out, a, transposed ? w[e].t() : w[e]);
+    return;
+  }
+  if (packs != nullptr && path == kernels::RowPath::kBlocked) {
+    kernels::Gemm(kernels::ActiveIsa(), a.size(0), MatrixOp(a), packs->Get(e), OutputOp(out),
+                  /*accumulate=*/false, path);
     return;
   }
   kernels::Gemm(a.size(0), out.size(1), a.size(1), MatrixOp(a), WeightOp(w, scale, e, transposed),
@@ -220,8 +230,8 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
 // written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
 // without a gate_up adapter).
 at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
-                      kernels::RowPath path) {
-  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path);
+                      kernels::RowPath path, const Packs* packs) {
+  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path, packs);
   if (!w.lora.has_gate_up()) return {};
   at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
   AddMm(gu_t, u, w.lora.gate_up_b[e].t());
@@ -273,7 +283,8 @@ class GroupedBackend final : public ExpertBackend {
  public:
   explicit GroupedBackend(const BackendOptions& options)
       : num_threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()),
-        arena_(num_threads_) {}
+        arena_(num_threads_),
+        packs_(options.packed_weight_bytes) {}
 
   std::string_view name() const override { return "grouped"; }
 
@@ -287,16 +298,19 @@ class GroupedBackend final : public ExpertBackend {
     const std::vector<Tile> tiles =
         RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
     const std::vector<kernels::RowPath> paths = ExpertPaths(counts, w.gate_up_proj.size(0));
+    const auto gate_up_packs = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/true, x);
+    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/true, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       at::Tensor h_t = h.narrow(0, tile.begin, tile.size);
       at::Tensor y_t = y.narrow(0, tile.begin, tile.size);
-      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t, paths[e]);
+      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t, paths[e], gate_up_packs.get());
       AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMul",
                                      [&] { SiluMul<scalar_t>(gu_t, h_t); });
-      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e]);
+      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e],
+               down_packs.get());
       if (lora.has_down()) {
         AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
       }
@@ -357,6 +371,12 @@ class GroupedBackend final : public ExpertBackend {
     const int64_t num_experts = w.gate_up_proj.size(0);
     const std::vector<Tile> tiles = RowTiles(counts, num_experts, TileRows(rows, num_threads_));
     const std::vector<kernels::RowPath> paths = ExpertPaths(counts, num_experts);
+    // The forward orientation only when the gate/up GEMM is recomputed.
+    const auto gate_up_fwd_packs =
+        activations.defined() ? nullptr
+                              : Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/true, x);
+    const auto gate_up_packs = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/false, x);
+    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/false, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
@@ -368,13 +388,14 @@ class GroupedBackend final : public ExpertBackend {
       at::Tensor dy_t = grad_y.narrow(0, tile.begin, tile.size);
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       if (!activations.defined()) {
-        at::Tensor u = GateUpTile(x_t, e, w, gu_t, paths[e]);
+        at::Tensor u = GateUpTile(x_t, e, w, gu_t, paths[e], gate_up_fwd_packs.get());
         if (lora_gu) u_gu.narrow(0, tile.begin, tile.size).copy_(u);
       } else if (lora_gu) {
         u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
-      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e]);
+      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e],
+               down_packs.get());
       if (lora_down) {
         at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
         AddMm(dh_t, du, lora.down_a[e]);
@@ -388,7 +409,8 @@ class GroupedBackend final : public ExpertBackend {
         u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
-      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e]);
+      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e],
+               gate_up_packs.get());
       if (lora_gu) {
         at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
         AddMm(dx_t, du, lora.gate_up_a[e]);
@@ -464,6 +486,14 @@ class GroupedBackend final : public ExpertBackend {
   }
 
  private:
+  // w's packs for the kernels that will multiply x's rows by it (null: the
+  // GEMMs pack per call).
+  std::shared_ptr<const Packs> Lookup(const at::Tensor& w, const at::Tensor& scale, bool transposed,
+                                      const at::Tensor& x) {
+    if (!OnKernels(x)) return nullptr;
+    return packs_.Lookup(w, scale, transposed, kernels::ActiveIsa(), KernelType(x.scalar_type()));
+  }
+
   template <typename Fn>
   void RunTiles(size_t num_tiles, const Fn& fn) {
     if (num_tiles == 0) return;
@@ -483,6 +513,7 @@ class GroupedBackend final : public ExpertBackend {
 
   int num_threads_;
   tbb::task_arena arena_;
+  PackedWeightCache packs_;
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/BFloat16.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -106,6 +107,7 @@ void FusedAdamW::Step(double lr) {
             cp[i] = RoundBf16(wp[i], hyper_.stochastic_rounding,
                               RandomBits16(hyper_.seed, s.step, s.key, s.first_element + i));
           }
+          s.copy.unsafeGetTensorImpl()->bump_version();
         }
         continue;
       }
@@ -142,6 +144,10 @@ void FusedAdamW::Step(double lr) {
                             stochastic ? RandomBits16(seed, step, key, first + i) : 0u);
         }
       });
+      // Written through raw pointers: tell ATen's version counters, which
+      // the expert layer's packed weights (experts/packed_weights.h) check.
+      p.unsafeGetTensorImpl()->bump_version();
+      if (cp != nullptr) s.copy.unsafeGetTensorImpl()->bump_version();
     }
   }
 }

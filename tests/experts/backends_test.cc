@@ -5,6 +5,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -539,6 +540,90 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
       ExpertGrads g_seg = fast->Backward(p.grad_y.index_select(0, idx), p.x.index_select(0, idx),
                                          seg_counts, Weights(p), act_seg);
       EXPECT_TRUE(at::equal(g_seg.x, g.x.index_select(0, idx))) << what;
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// The grouped backend keeps its weights packed between calls
+// (packed_weights.h) and never uses a pack after the weight changed: after
+// an in-place ATen update, and after a raw write that bumps the version
+// counter as FusedAdamW does, forward and backward (saved and recomputed
+// activations) give the bits of a backend that packs per call, on every
+// instruction set, float32 and bfloat16. A raw write that does not bump it
+// is still seen by experts on the streamed path only: proof that the packs
+// are really used, and that the version counter is what keeps them fresh.
+TEST(GroupedKernels, PackedWeightsFollowEveryWeightChange) {
+  using kernels::Isa;
+  const ExpertProblemShape shape{"mixed", 60, 45, 37, 6, 2, RoutingPattern::kSkewed};
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string what =
+          std::string(kernels::IsaName(isa)) + (dtype == at::kFloat ? " f32" : " bf16");
+      ExpertProblem p = MakeExpertProblem(shape, dtype, 21);
+      bool few = false, many = false;
+      for (int64_t c : p.counts) {
+        few |= c > 0 && c <= kernels::kMaxStreamedRows;
+        many |= c > kernels::kMaxStreamedRows;
+      }
+      ASSERT_TRUE(few && many) << "the problem must exercise both paths";
+      auto cached = Backend("grouped");
+      auto per_call = CreateExpertBackend("grouped", {.num_threads = 2, .packed_weight_bytes = 0});
+      ASSERT_TRUE(per_call.ok());
+      // Runs both backends (saved and recomputed activations) and checks
+      // that they agree bit for bit; returns the cached backend's output.
+      auto run_and_compare = [&](const std::string& step) {
+        at::Tensor act_a, act_b;
+        at::Tensor y_a = cached->Forward(p.x, p.counts, Weights(p), &act_a);
+        at::Tensor y_b = (*per_call)->Forward(p.x, p.counts, Weights(p), &act_b);
+        EXPECT_TRUE(at::equal(y_a, y_b)) << what << " " << step;
+        for (bool recompute : {false, true}) {
+          ExpertGrads g_a = cached->Backward(p.grad_y, p.x, p.counts, Weights(p),
+                                             recompute ? at::Tensor() : act_a);
+          ExpertGrads g_b = (*per_call)->Backward(p.grad_y, p.x, p.counts, Weights(p),
+                                                  recompute ? at::Tensor() : act_b);
+          ExpectGradsEqual(g_a, g_b, what + " " + step + (recompute ? " recomputed" : ""));
+        }
+        return y_a;
+      };
+      const at::Tensor y0 = run_and_compare("first");
+      // An optimizer's ATen twin: in-place ops bump the version.
+      {
+        at::NoGradGuard no_grad;
+        p.gate_up_proj.mul_(1.5);
+        p.down_proj.add_(at::ones_like(p.down_proj), 0.01);
+      }
+      const at::Tensor y1 = run_and_compare("after in-place ops");
+      EXPECT_FALSE(at::equal(y1, y0)) << what;
+      // A raw write (as FusedAdamW's fused pass), with the version bumped.
+      auto raw_scale = [](at::Tensor w, float f) {
+        at::Tensor scaled = (w.to(at::kFloat) * f).to(w.scalar_type());
+        std::memcpy(w.data_ptr(), scaled.const_data_ptr(), w.nbytes());
+      };
+      raw_scale(p.gate_up_proj, -0.5f);
+      p.gate_up_proj.unsafeGetTensorImpl()->bump_version();
+      const at::Tensor y2 = run_and_compare("after a raw write");
+      EXPECT_FALSE(at::equal(y2, y1)) << what;
+      // Without the bump, experts on the blocked path keep multiplying by
+      // their packs (stale); the per-call backend sees the new weights.
+      raw_scale(p.down_proj, 2.0f);
+      at::Tensor act;
+      const at::Tensor y_stale = cached->Forward(p.x, p.counts, Weights(p), &act);
+      const at::Tensor y_fresh = (*per_call)->Forward(p.x, p.counts, Weights(p), &act);
+      int64_t row = 0;
+      for (int64_t e = 0; e < shape.num_experts; ++e) {
+        const int64_t n = p.counts[e];
+        if (n > 0) {
+          const bool same = at::equal(y_stale.narrow(0, row, n), y_fresh.narrow(0, row, n));
+          EXPECT_EQ(same, n <= kernels::kMaxStreamedRows) << what << " expert " << e;
+          EXPECT_EQ(at::equal(y_stale.narrow(0, row, n), y2.narrow(0, row, n)),
+                    n > kernels::kMaxStreamedRows)
+              << what << " expert " << e;
+        }
+        row += n;
+      }
     }
   }
   kernels::LimitIsa(kernels::DetectIsa());

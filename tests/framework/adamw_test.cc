@@ -100,6 +100,12 @@ TEST(FusedAdamW, AttachedCopiesAreTheRoundedMasters) {
     a.AttachCopy(fused[i], ca[i]);
     b.AttachCopy(twin[i], cb[i]);
   }
+  std::vector<int64_t> versions_before;
+  for (size_t i = 0; i < fused.size(); ++i) {
+    for (const at::Tensor* t : {&fused[i], &twin[i], &ca[i], &cb[i]}) {
+      versions_before.push_back(t->_version());
+    }
+  }
   for (int step = 0; step < 3; ++step) {
     SetGrads(fused, step);
     SetGrads(twin, step);
@@ -109,6 +115,17 @@ TEST(FusedAdamW, AttachedCopiesAreTheRoundedMasters) {
       EXPECT_TRUE(at::equal(ca[i], fused[i].detach().to(at::kBFloat16))) << i;
       EXPECT_TRUE(at::equal(cb[i], twin[i].detach().to(at::kBFloat16))) << i;
     }
+  }
+  // Each pass that wrote a tensor advanced its version counter (what the
+  // expert layer's packed weights check), whether it wrote through ATen or
+  // through raw pointers.
+  for (size_t i = 0; i < fused.size(); ++i) {
+    const int64_t steps = 3;
+    const int64_t* before = &versions_before[4 * i];
+    EXPECT_GE(fused[i]._version() - before[0], steps) << i;
+    EXPECT_GE(twin[i]._version() - before[1], steps) << i;
+    EXPECT_EQ(ca[i]._version() - before[2], steps) << i;
+    EXPECT_EQ(cb[i]._version() - before[3], steps) << i;
   }
   EXPECT_THROW(a.AttachCopy(at::zeros({3}), at::zeros({3}, at::kBFloat16)), c10::Error);
 }

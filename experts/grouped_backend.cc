@@ -348,8 +348,11 @@ class GroupedBackend final : public ExpertBackend {
       // A bfloat16 base gets float32 gradients (those of its float32 masters).
       const at::ScalarType grad_dtype =
           w.gate_up_proj.scalar_type() == at::kBFloat16 ? at::kFloat : w.gate_up_proj.scalar_type();
-      g.gate_up_proj = at::zeros_like(w.gate_up_proj, grad_dtype);
-      g.down_proj = at::zeros_like(w.down_proj, grad_dtype);
+      // Written whole by phase 2 for every expert with rows (its first
+      // segment overwrites); only the others are zeroed, below.
+      g.gate_up_proj =
+          at::empty(w.gate_up_proj.sizes(), w.gate_up_proj.options().dtype(grad_dtype));
+      g.down_proj = at::empty(w.down_proj.sizes(), w.down_proj.options().dtype(grad_dtype));
     }
     if (lora_gu) {
       const at::TensorOptions o = lora.gate_up_a.options();
@@ -443,7 +446,13 @@ class GroupedBackend final : public ExpertBackend {
         wtiles.push_back({grad, e, r, std::min(kWeightRows, extent - r)});
     };
     for (int64_t e = 0; e < num_experts; ++e) {
-      if (segments[e].empty()) continue;
+      if (segments[e].empty()) {
+        if (base) {
+          g.gate_up_proj[e].zero_();
+          g.down_proj[e].zero_();
+        }
+        continue;
+      }
       if (base) {
         add_blocks(Grad::kDown, e, hidden);
         add_blocks(Grad::kGateUp, e, 2 * inter);

@@ -98,6 +98,14 @@ struct BackendOptions {
   // bfloat16 or FP8 weights on avx512_bf16); weights beyond the budget are
   // packed per call. 0: never kept.
   int64_t packed_weight_bytes = int64_t{2} << 30;
+  // SwiGLU fused into the gate/up GEMM: its columns computed in blocks, gate
+  // and up of a block back to back, and silu(gate)·up of the block computed
+  // right after with a vector exp (kernels/swiglu.h); the backward's
+  // derivative with the vector exp too. false: one GEMM writes the whole
+  // [rows, 2I] block, then a scalar pass (std::exp) computes h -- the slow
+  // twin the fused path is tested against. Only backends with their own
+  // kernels (grouped) read it.
+  bool fused_swiglu = true;
 };
 
 class ExpertBackend {

@@ -56,12 +56,13 @@ void BumpVersions(const ExpertWeights& w) {
 // dtype float8_e4m3fn: frozen FP8 weights (block-quantized from the float32
 // ones) with bfloat16 activations, forward + dX only (no weight gradients), so
 // two forwards' FLOPs.
-void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype) {
+void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype,
+                    BackendOptions options) {
   const bool fp8 = dtype == at::kFloat8_e4m3fn;
   ExpertProblem p = MakeExpertProblem(g_shape, fp8 ? at::kBFloat16 : dtype, 0);
   ExpertWeights w{p.gate_up_proj, p.down_proj};
   if (fp8) w = QuantizeFp8(p);
-  auto backend = CreateExpertBackend(backend_name, {});
+  auto backend = CreateExpertBackend(backend_name, options);
   if (!backend.ok()) {
     state.SkipWithError(std::string(backend.status().message()).c_str());
     return;
@@ -222,7 +223,20 @@ int main(int argc, char** argv) {
       {"grouped", at::kFloat8_e4m3fn, "fp8_frozen"}};
   for (auto [backend, dtype, dname] : layers) {
     benchmark::RegisterBenchmark((std::string("experts/") + backend + "/" + dname).c_str(),
-                                 moefit::experts::BM_ExpertLayer, std::string(backend), dtype)
+                                 moefit::experts::BM_ExpertLayer, std::string(backend), dtype,
+                                 moefit::experts::BackendOptions{})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->MinTime(1.0);
+  }
+  // The grouped backend without its packed weights and fused SwiGLU (each
+  // GEMM packs its weight, one scalar SiLU pass): what those two give, in
+  // the same run.
+  for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
+    benchmark::RegisterBenchmark(
+        (std::string("experts/grouped_unpacked_unfused/") + dname).c_str(),
+        moefit::experts::BM_ExpertLayer, std::string("grouped"), dtype,
+        moefit::experts::BackendOptions{.packed_weight_bytes = 0, .fused_swiglu = false})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(1.0);

@@ -261,16 +261,34 @@ const float* PackedB::Block(int64_t k0) const {
 
 void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,
           RowPath path) {
+  GemmColumns(isa, m, a, b, 0, b.n(), c, accumulate, path);
+}
+
+void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                 int64_t num_cols, const Output& c, bool accumulate, RowPath path) {
   TORCH_CHECK(!b.empty(), "Gemm: the packed B is empty");
-  const int64_t n = b.n(), k_size = b.k_size();
+  TORCH_CHECK(col0 >= 0 && num_cols >= 0 && col0 + num_cols <= b.n(), "Gemm: columns [", col0, ", ",
+              col0 + num_cols, ") outside the packed B's ", b.n());
+  const int64_t k_size = b.k_size();
   const bool streamed =
       path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
   // Where the pack does not serve this call, the unpacked GEMM does (the
   // same bits): another instruction set or A type, the streamed path, a
-  // bfloat16 output taken in row chunks, or nothing to multiply.
+  // bfloat16 output taken in row chunks, columns off the panel grid, or
+  // nothing to multiply.
   if (isa != b.isa_ || a.type != b.a_type_ || &Select(isa, a, b.source_) != b.kern_ || streamed ||
-      m == 0 || n == 0 || k_size == 0 || (c.type != ElemType::kF32 && m > kMaxBufferedRows)) {
-    Gemm(isa, m, n, k_size, a, b.source_, c, accumulate, path);
+      m == 0 || num_cols == 0 || k_size == 0 || col0 % b.kern_->nr != 0 ||
+      (c.type != ElemType::kF32 && m > kMaxBufferedRows)) {
+    Operand src = b.source_;
+    if (col0 > 0) {
+      src.data =
+          static_cast<const char*>(src.data) + col0 * src.col_stride * ElementBytes(src.type);
+      if (src.type == ElemType::kF8E4M3) {
+        TORCH_CHECK(col0 % kScaleBlock == 0, "Gemm: FP8 column ranges must start on a scale block");
+        src.scales += (col0 / kScaleBlock) * src.scale_col_stride;
+      }
+    }
+    Gemm(isa, m, num_cols, k_size, a, src, c, accumulate, path);
     return;
   }
   TORCH_CHECK(c.type == ElemType::kF32 || c.type == ElemType::kBF16,
@@ -279,11 +297,10 @@ void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& 
   CheckOperand(a, "A");
   const PackedKernels& kern = *b.kern_;
   const int64_t nr = kern.nr;
-  Blocked(kern, m, n, k_size, a, c, accumulate,
-          [&](int64_t k0, int64_t /*kb*/, int64_t n0, int64_t /*nb*/, float* /*scratch*/) {
-            const int64_t kb = std::min(kern.kb, k_size - k0);
+  Blocked(kern, m, num_cols, k_size, a, c, accumulate,
+          [&](int64_t k0, int64_t kb, int64_t n0, int64_t /*nb*/, float* /*scratch*/) {
             const int64_t slots = kern.pairs ? (kb + 1) / 2 : kb;
-            return b.Block(k0) + (n0 / nr) * nr * slots;
+            return b.Block(k0) + ((col0 + n0) / nr) * nr * slots;
           });
 }
 

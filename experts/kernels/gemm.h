@@ -119,8 +119,8 @@ class PackedB {
   const Operand& source() const { return source_; }
 
  private:
-  friend void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c,
-                   bool accumulate, RowPath path);
+  friend void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                          int64_t num_cols, const Output& c, bool accumulate, RowPath path);
   // The packed panels of the k block that starts at k0.
   const float* Block(int64_t k0) const;
 
@@ -139,6 +139,12 @@ class PackedB {
 // (another instruction set or A's type) that Gemm runs instead.
 void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,
           RowPath path = RowPath::kAuto);
+
+// The same for columns [col0, col0 + num_cols) of B only (c points at the
+// output of column col0): the bits of those columns of the whole product.
+// With FP8 B, col0 is a multiple of kScaleBlock.
+void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                 int64_t num_cols, const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
 
 // The float32 value of one element, by c10's conversions (the reference the
 // kernels' packing is tested against).

@@ -69,6 +69,27 @@ bool PackedWeightCache::Current(const Entry& e, const at::Tensor& w, const at::T
          e.scale_version == Version(scale);
 }
 
+PackedWeightCache::Entry PackedWeightCache::Record(const at::Tensor& w, const at::Tensor& scale,
+                                                   bool transposed, kernels::Isa isa,
+                                                   kernels::ElemType a_type) {
+  Entry entry;
+  entry.storage = WeakStorage(w);
+  entry.scale_storage = WeakStorage(scale);
+  entry.storage_id = StorageId(w);
+  entry.scale_storage_id = StorageId(scale);
+  entry.offset = w.storage_offset();
+  entry.scale_offset = scale.defined() ? scale.storage_offset() : 0;
+  entry.sizes = w.sizes().vec();
+  entry.strides = w.strides().vec();
+  entry.dtype = w.scalar_type();
+  entry.transposed = transposed;
+  entry.isa = isa;
+  entry.a_type = a_type;
+  entry.version = Version(w);
+  entry.scale_version = Version(scale);
+  return entry;
+}
+
 std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
     const at::Tensor& w, const at::Tensor& scale, bool transposed, kernels::Isa isa,
     kernels::ElemType a_type) {
@@ -79,10 +100,19 @@ std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
   std::lock_guard<std::mutex> lock(mu_);
   auto it = std::find_if(entries_.begin(), entries_.end(),
                          [&](const Entry& e) { return Matches(e, w, transposed, isa, a_type); });
+  // A weight is packed ahead on the second lookup of the same contents: a
+  // pack used once costs a round trip through memory that packing block by
+  // block inside the GEMM (in cache) does not, so a weight that changes
+  // between every two uses is left to the per-call path.
+  bool seen = false;
   if (it != entries_.end()) {
-    if (Current(*it, w, scale)) return it->packs;
+    if (Current(*it, w, scale)) {
+      if (it->packs != nullptr) return it->packs;
+      seen = true;
+    } else if (it->packs != nullptr) {
+      ++rebuilds_;
+    }
     bytes_ -= it->bytes;
-    ++rebuilds_;
     entries_.erase(it);
   }
   const int64_t experts = w.size(0);
@@ -90,6 +120,10 @@ std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
   const int64_t n = transposed ? w.size(1) : w.size(2);
   const int64_t bytes =
       experts * kernels::PackedB::Bytes(isa, a_type, k_size, n, WeightType(w.scalar_type()));
+  if (!seen) {
+    entries_.push_back(Record(w, scale, transposed, isa, a_type));
+    return nullptr;
+  }
   if (bytes_ + bytes > max_bytes_) {
     // Room from entries whose weights changed or were freed; valid ones
     // stay (dropping them would only move the packing elsewhere).
@@ -123,21 +157,7 @@ std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
   packs->isa_ = isa;
   packs->a_type_ = a_type;
   packs->slots_ = std::make_unique<Packs::Slot[]>(static_cast<size_t>(experts));
-  Entry entry;
-  entry.storage = WeakStorage(w);
-  entry.scale_storage = WeakStorage(scale);
-  entry.storage_id = StorageId(w);
-  entry.scale_storage_id = StorageId(scale);
-  entry.offset = w.storage_offset();
-  entry.scale_offset = scale.defined() ? scale.storage_offset() : 0;
-  entry.sizes = w.sizes().vec();
-  entry.strides = w.strides().vec();
-  entry.dtype = w.scalar_type();
-  entry.transposed = transposed;
-  entry.isa = isa;
-  entry.a_type = a_type;
-  entry.version = Version(w);
-  entry.scale_version = Version(scale);
+  Entry entry = Record(w, scale, transposed, isa, a_type);
   entry.bytes = bytes;
   entry.packs = packs;
   entries_.push_back(std::move(entry));

@@ -9,6 +9,12 @@
 // weight changes: a trainable weight is packed again after each optimizer
 // step, a frozen one only after it is loaded or merged.
 //
+// Only what is used twice: a weight is packed on the second lookup of the
+// same contents (a frozen weight from its second step on; a trained one when
+// the step uses it twice in one orientation, as recomputation does), since a
+// pack used once costs more than the GEMM's own packing block by block in
+// cache.
+//
 // Never stale: an entry records the weight's storage (weakly) and ATen's
 // version counter of the weight (and of its FP8 scales), which every in-place
 // ATen op bumps (copy_, add_, the optimizer's twin ops, MergeAdapters'
@@ -72,7 +78,8 @@ class PackedWeightCache {
   // The packs of w ([E, rows, cols], with FP8 block scales `scale`, else
   // undefined) read as w[e] or, transposed, w[e]ᵀ, for `isa`'s kernels and an
   // A of type a_type; null when they do not fit the budget or w cannot be
-  // tracked (not on the CPU, float64, an inference tensor). The caller keeps
+  // tracked (not on the CPU, float64, an inference tensor), and on the first
+  // lookup of w's current contents (see above). The caller keeps
   // w alive and unchanged while it uses the returned Packs (the expert layer
   // looks up at the start of each forward or backward call).
   std::shared_ptr<const Packs> Lookup(const at::Tensor& w, const at::Tensor& scale, bool transposed,
@@ -98,12 +105,15 @@ class PackedWeightCache {
     kernels::ElemType a_type = kernels::ElemType::kF32;
     uint32_t version = 0, scale_version = 0;
     int64_t bytes = 0;
-    std::shared_ptr<Packs> packs;
+    std::shared_ptr<Packs> packs;  // null: seen once, not packed yet
   };
 
   bool Matches(const Entry& e, const at::Tensor& w, bool transposed, kernels::Isa isa,
                kernels::ElemType a_type) const;
   static bool Current(const Entry& e, const at::Tensor& w, const at::Tensor& scale);
+  // An entry for w's current contents, without packs.
+  static Entry Record(const at::Tensor& w, const at::Tensor& scale, bool transposed,
+                      kernels::Isa isa, kernels::ElemType a_type);
 
   mutable std::mutex mu_;
   int64_t max_bytes_;

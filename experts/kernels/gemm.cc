@@ -233,11 +233,12 @@ PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Oper
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
     total += panels * kern.nr * slots(std::min(kern.kb, k_size - k0));
   }
-  data_.resize(static_cast<size_t>(total));
+  data_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(total));
+  num_floats_ = total;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
     if (n > 0)
       kern.pack_b(b, k0, std::min(kern.kb, k_size - k0), 0, n,
-                  data_.data() + (k0 / kern.kb) * block_floats_);
+                  data_.get() + (k0 / kern.kb) * block_floats_);
   }
 }
 
@@ -256,7 +257,7 @@ int64_t PackedB::Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, Elem
 }
 
 const float* PackedB::Block(int64_t k0) const {
-  return data_.data() + (k0 / kern_->kb) * block_floats_;
+  return data_.get() + (k0 / kern_->kb) * block_floats_;
 }
 
 void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,

@@ -24,7 +24,7 @@
 #pragma once
 
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "experts/kernels/isa.h"
 
@@ -113,7 +113,7 @@ class PackedB {
   static int64_t Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, ElemType b_type);
 
   bool empty() const { return kern_ == nullptr; }
-  int64_t bytes() const { return static_cast<int64_t>(data_.size() * sizeof(float)); }
+  int64_t bytes() const { return num_floats_ * static_cast<int64_t>(sizeof(float)); }
   int64_t k_size() const { return k_size_; }
   int64_t n() const { return n_; }
   const Operand& source() const { return source_; }
@@ -130,7 +130,9 @@ class PackedB {
   int64_t k_size_ = 0, n_ = 0;
   int64_t block_floats_ = 0;  // floats per full k block (all column panels)
   Operand source_;
-  std::vector<float> data_;
+  // Written whole by the packing, so not value-initialized first.
+  std::unique_ptr<float[]> data_;
+  int64_t num_floats_ = 0;
 };
 
 // C = (accumulate ? C : 0) + A · B with B packed ahead (m x b.n() over

@@ -548,7 +548,8 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
 }
 
 // The grouped backend keeps its weights packed between calls
-// (packed_weights.h) and never uses a pack after the weight changed: after
+// (packed_weights.h, from their second use on) and never uses a pack after
+// the weight changed: after
 // an in-place ATen update, and after a raw write that bumps the version
 // counter as FusedAdamW does, forward and backward (saved and recomputed
 // activations) give the bits of a backend that packs per call, on every
@@ -609,8 +610,10 @@ TEST(GroupedKernels, PackedWeightsFollowEveryWeightChange) {
       const at::Tensor y2 = run_and_compare("after a raw write");
       EXPECT_FALSE(at::equal(y2, y1)) << what;
       // Without the bump, experts on the blocked path keep multiplying by
-      // their packs (stale); the per-call backend sees the new weights.
-      raw_scale(p.down_proj, 2.0f);
+      // their packs (stale; the forward's gate/up packs were made by the
+      // recomputation above, their second use); the per-call backend sees
+      // the new weights.
+      raw_scale(p.gate_up_proj, 2.0f);
       at::Tensor act;
       const at::Tensor y_stale = cached->Forward(p.x, p.counts, Weights(p), &act);
       const at::Tensor y_fresh = (*per_call)->Forward(p.x, p.counts, Weights(p), &act);

@@ -5,7 +5,7 @@
 //
 // Numerics: computed in float32 (bfloat16 inputs converted exactly, outputs
 // rounded once to nearest even). The portable kernels use std::exp; the
-// vector ones a polynomial exp within 2 units in the last place, so results
+// vector ones a polynomial exp a few units in the last place off, so results
 // differ from the portable ones by a few float32 units in the last place
 // (relative to the magnitudes of the terms), by one bfloat16 unit where that
 // moves a rounding boundary.

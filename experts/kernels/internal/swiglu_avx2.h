@@ -2,7 +2,7 @@
 // included by the kernel files compiled for AVX2 and wider, with internal
 // linkage (see packed_kernels.h). exp is Cephes' single-precision
 // polynomial (range reduction by ln 2 in two parts, degree-5 polynomial,
-// exponent bits added back): within 2 units in the last place of expf over
+// exponent bits added back): a few units in the last place of expf over
 // the clamped range; the remainder of each row takes the scalar loop.
 #pragma once
 
@@ -30,8 +30,8 @@ inline __m256 ExpAvx2(__m256 x) {
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 

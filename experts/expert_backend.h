@@ -91,6 +91,21 @@ struct BackwardOptions {
 struct BackendOptions {
   // CPU threads for expert compute; 0 = the process's intra-op thread count.
   int num_threads = 0;
+  // Bytes of expert weights kept packed in the GEMM kernels' format between
+  // calls (see packed_weights.h): each weight is packed once per change
+  // instead of on every GEMM. Up to two packs per weight (forward and dX
+  // orientations), each the weight's size in float32 (half that for
+  // bfloat16 or FP8 weights on avx512_bf16); weights beyond the budget are
+  // packed per call. 0: never kept.
+  int64_t packed_weight_bytes = int64_t{2} << 30;
+  // SwiGLU fused into the gate/up GEMM: its columns computed in blocks, gate
+  // and up of a block back to back, and silu(gate)·up of the block computed
+  // right after with a vector exp (kernels/swiglu.h); the backward's
+  // derivative with the vector exp too. false: one GEMM writes the whole
+  // [rows, 2I] block, then a scalar pass (std::exp) computes h -- the slow
+  // twin the fused path is tested against. Only backends with their own
+  // kernels (grouped) read it.
+  bool fused_swiglu = true;
 };
 
 class ExpertBackend {

@@ -14,6 +14,8 @@
 #include <cmath>
 
 #include "experts/kernels/gemm.h"
+#include "experts/kernels/swiglu.h"
+#include "experts/packed_weights.h"
 
 namespace moefit::experts {
 namespace {
@@ -114,11 +116,20 @@ std::vector<kernels::RowPath> ExpertPaths(const std::vector<int64_t>& counts, in
   return paths;
 }
 
-// out = a · w[e]ᵀ (transposed) or a · w[e].
+using Packs = PackedWeightCache::Packs;
+
+// out = a · w[e]ᵀ (transposed) or a · w[e], with w's packs made ahead for
+// this orientation where there are (the blocked path; the streamed one reads
+// w as it is).
 void WeightMm(at::Tensor out, const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale,
-              int64_t e, bool transposed, kernels::RowPath path) {
+              int64_t e, bool transposed, kernels::RowPath path, const Packs* packs) {
   if (!OnKernels(a)) {
     MmInto(out, a, transposed ? w[e].t() : w[e]);
+    return;
+  }
+  if (packs != nullptr && path == kernels::RowPath::kBlocked) {
+    kernels::Gemm(kernels::ActiveIsa(), a.size(0), MatrixOp(a), packs->Get(e), OutputOp(out),
+                  /*accumulate=*/false, path);
     return;
   }
   kernels::Gemm(a.size(0), out.size(1), a.size(1), MatrixOp(a), WeightOp(w, scale, e, transposed),
@@ -220,12 +231,85 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
 // written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
 // without a gate_up adapter).
 at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
-                      kernels::RowPath path) {
-  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path);
+                      kernels::RowPath path, const Packs* packs) {
+  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path, packs);
   if (!w.lora.has_gate_up()) return {};
   at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
   AddMm(gu_t, u, w.lora.gate_up_b[e].t());
   return u;
+}
+
+// Columns per block of the fused gate/up GEMM (a multiple of every
+// microkernel's nr and of the FP8 scale block): a block's gate and up
+// outputs stay in L2 until SiLU·up reads them.
+constexpr int64_t kSwiGluColumns = 256;
+
+// Columns col0.. of a tensor's rows as kernel rows.
+kernels::Rows RowsOf(const at::Tensor& t, int64_t col0 = 0) {
+  TORCH_CHECK(t.stride(1) == 1, "kernel rows must be contiguous");
+  const int64_t bytes = t.element_size();
+  return {static_cast<char*>(t.data_ptr()) + col0 * bytes, KernelType(t.scalar_type()),
+          t.stride(0)};
+}
+
+// The gate half (rows [0, I) of each expert's [2I, H]) or the up half of
+// gate_up_proj, and its FP8 block scales; FP8 halves need I % 128 == 0.
+std::pair<at::Tensor, at::Tensor> Half(const ExpertWeights& w, bool up) {
+  const int64_t inter = w.gate_up_proj.size(1) / 2;
+  at::Tensor half = w.gate_up_proj.narrow(1, up ? inter : 0, inter);
+  at::Tensor scale;
+  if (w.gate_up_scale.defined()) {
+    const int64_t blocks = inter / kernels::kScaleBlock;
+    scale = w.gate_up_scale.narrow(1, up ? blocks : 0, blocks);
+  }
+  return {half, scale};
+}
+
+// Whether the fused gate/up path can run: the base GEMM alone makes the
+// pre-activations (no LoRA term to add first), on the kernels, and FP8
+// halves start on a scale block.
+bool CanFuseGateUp(const at::Tensor& x, const ExpertWeights& w) {
+  const int64_t inter = w.gate_up_proj.size(1) / 2;
+  return OnKernels(x) && !w.lora.has_gate_up() &&
+         (w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn || inter % kernels::kScaleBlock == 0);
+}
+
+// out = x_t · half[e][c0 : c0 + n]ᵀ, from the half's packs where there are.
+void HalfMm(at::Tensor out, const at::Tensor& x_t, const std::pair<at::Tensor, at::Tensor>& half,
+            int64_t e, int64_t c0, int64_t n, kernels::RowPath path, const Packs* packs) {
+  if (packs != nullptr && path == kernels::RowPath::kBlocked) {
+    kernels::GemmColumns(kernels::ActiveIsa(), x_t.size(0), MatrixOp(x_t), packs->Get(e), c0, n,
+                         OutputOp(out), /*accumulate=*/false, path);
+    return;
+  }
+  const at::Tensor& scale = half.second;
+  const at::Tensor s = scale.defined()
+                           ? scale.narrow(1, c0 / kernels::kScaleBlock,
+                                          (n + kernels::kScaleBlock - 1) / kernels::kScaleBlock)
+                           : scale;
+  kernels::Gemm(x_t.size(0), n, x_t.size(1), MatrixOp(x_t),
+                WeightOp(half.first.narrow(1, c0, n), s, e, /*transposed=*/true), OutputOp(out),
+                /*accumulate=*/false, path);
+}
+
+// The fused gate/up of one tile (CanFuseGateUp): for each block of
+// kSwiGluColumns columns, the gate GEMM, the up GEMM, then h = silu(gate)·up
+// of the block (skipped when h_t is undefined: a recompute, whose backward
+// computes h itself).
+void FusedGateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
+                     const at::Tensor& h_t, kernels::RowPath path, const Packs* gate_packs,
+                     const Packs* up_packs) {
+  const int64_t inter = w.gate_up_proj.size(1) / 2, rows = x_t.size(0);
+  const auto gate = Half(w, /*up=*/false), up = Half(w, /*up=*/true);
+  for (int64_t c0 = 0; c0 < inter; c0 += kSwiGluColumns) {
+    const int64_t n = std::min(kSwiGluColumns, inter - c0);
+    HalfMm(gu_t.narrow(1, c0, n), x_t, gate, e, c0, n, path, gate_packs);
+    HalfMm(gu_t.narrow(1, inter + c0, n), x_t, up, e, c0, n, path, up_packs);
+    if (h_t.defined()) {
+      kernels::SiluMul(kernels::ActiveIsa(), rows, n, RowsOf(gu_t, c0), RowsOf(gu_t, inter + c0),
+                       RowsOf(h_t, c0));
+    }
+  }
 }
 
 // out = Σ over segments of a_segᵀ · b_seg, in out's dtype (float32 for a
@@ -273,7 +357,9 @@ class GroupedBackend final : public ExpertBackend {
  public:
   explicit GroupedBackend(const BackendOptions& options)
       : num_threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()),
-        arena_(num_threads_) {}
+        arena_(num_threads_),
+        packs_(options.packed_weight_bytes),
+        fused_swiglu_(options.fused_swiglu) {}
 
   std::string_view name() const override { return "grouped"; }
 
@@ -287,16 +373,24 @@ class GroupedBackend final : public ExpertBackend {
     const std::vector<Tile> tiles =
         RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
     const std::vector<kernels::RowPath> paths = ExpertPaths(counts, w.gate_up_proj.size(0));
+    const bool fused = fused_swiglu_ && CanFuseGateUp(x, w);
+    const GateUpPacks gu_packs = GateUpForwardPacks(w, x, fused);
+    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/true, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       at::Tensor h_t = h.narrow(0, tile.begin, tile.size);
       at::Tensor y_t = y.narrow(0, tile.begin, tile.size);
-      GateUpTile(x.narrow(0, tile.begin, tile.size), e, w, gu_t, paths[e]);
-      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMul",
-                                     [&] { SiluMul<scalar_t>(gu_t, h_t); });
-      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e]);
+      const at::Tensor x_t = x.narrow(0, tile.begin, tile.size);
+      if (fused) {
+        FusedGateUpTile(x_t, e, w, gu_t, h_t, paths[e], gu_packs.gate.get(), gu_packs.up.get());
+      } else {
+        GateUpTile(x_t, e, w, gu_t, paths[e], gu_packs.whole.get());
+        SiluMulTile(gu_t, h_t);
+      }
+      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e],
+               down_packs.get());
       if (lora.has_down()) {
         AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
       }
@@ -334,8 +428,11 @@ class GroupedBackend final : public ExpertBackend {
       // A bfloat16 base gets float32 gradients (those of its float32 masters).
       const at::ScalarType grad_dtype =
           w.gate_up_proj.scalar_type() == at::kBFloat16 ? at::kFloat : w.gate_up_proj.scalar_type();
-      g.gate_up_proj = at::zeros_like(w.gate_up_proj, grad_dtype);
-      g.down_proj = at::zeros_like(w.down_proj, grad_dtype);
+      // Written whole by phase 2 for every expert with rows (its first
+      // segment overwrites); only the others are zeroed, below.
+      g.gate_up_proj =
+          at::empty(w.gate_up_proj.sizes(), w.gate_up_proj.options().dtype(grad_dtype));
+      g.down_proj = at::empty(w.down_proj.sizes(), w.down_proj.options().dtype(grad_dtype));
     }
     if (lora_gu) {
       const at::TensorOptions o = lora.gate_up_a.options();
@@ -357,6 +454,12 @@ class GroupedBackend final : public ExpertBackend {
     const int64_t num_experts = w.gate_up_proj.size(0);
     const std::vector<Tile> tiles = RowTiles(counts, num_experts, TileRows(rows, num_threads_));
     const std::vector<kernels::RowPath> paths = ExpertPaths(counts, num_experts);
+    // The forward orientation only when the gate/up GEMM is recomputed.
+    const bool fused = fused_swiglu_ && CanFuseGateUp(x, w);
+    const GateUpPacks gu_fwd_packs =
+        activations.defined() ? GateUpPacks{} : GateUpForwardPacks(w, x, fused);
+    const auto gate_up_packs = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/false, x);
+    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/false, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
@@ -368,13 +471,20 @@ class GroupedBackend final : public ExpertBackend {
       at::Tensor dy_t = grad_y.narrow(0, tile.begin, tile.size);
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       if (!activations.defined()) {
-        at::Tensor u = GateUpTile(x_t, e, w, gu_t, paths[e]);
+        at::Tensor u;
+        if (fused) {
+          FusedGateUpTile(x_t, e, w, gu_t, at::Tensor(), paths[e], gu_fwd_packs.gate.get(),
+                          gu_fwd_packs.up.get());
+        } else {
+          u = GateUpTile(x_t, e, w, gu_t, paths[e], gu_fwd_packs.whole.get());
+        }
         if (lora_gu) u_gu.narrow(0, tile.begin, tile.size).copy_(u);
       } else if (lora_gu) {
         u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
-      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e]);
+      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e],
+               down_packs.get());
       if (lora_down) {
         at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
         AddMm(dh_t, du, lora.down_a[e]);
@@ -382,13 +492,20 @@ class GroupedBackend final : public ExpertBackend {
       }
       at::Tensor h_t = rows_of(h, inter);
       at::Tensor dgu_t = rows_of(d_gate_up, 2 * inter);
-      AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMulBackward",
-                                     [&] { SiluMulBackward<scalar_t>(gu_t, dh_t, h_t, dgu_t); });
+      if (fused_swiglu_ && OnKernels(x)) {
+        kernels::SiluMulBackward(kernels::ActiveIsa(), tile.size, inter, RowsOf(gu_t),
+                                 RowsOf(gu_t, inter), RowsOf(dh_t), RowsOf(h_t), RowsOf(dgu_t),
+                                 RowsOf(dgu_t, inter));
+      } else {
+        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMulBackward",
+                                       [&] { SiluMulBackward<scalar_t>(gu_t, dh_t, h_t, dgu_t); });
+      }
       if (lora_down) {
         u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
-      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e]);
+      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e],
+               gate_up_packs.get());
       if (lora_gu) {
         at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
         AddMm(dx_t, du, lora.gate_up_a[e]);
@@ -421,7 +538,13 @@ class GroupedBackend final : public ExpertBackend {
         wtiles.push_back({grad, e, r, std::min(kWeightRows, extent - r)});
     };
     for (int64_t e = 0; e < num_experts; ++e) {
-      if (segments[e].empty()) continue;
+      if (segments[e].empty()) {
+        if (base) {
+          g.gate_up_proj[e].zero_();
+          g.down_proj[e].zero_();
+        }
+        continue;
+      }
       if (base) {
         add_blocks(Grad::kDown, e, hidden);
         add_blocks(Grad::kGateUp, e, 2 * inter);
@@ -464,6 +587,44 @@ class GroupedBackend final : public ExpertBackend {
   }
 
  private:
+  // The forward gate/up GEMM's packs: of each half for the fused path, of
+  // the whole weight otherwise.
+  struct GateUpPacks {
+    std::shared_ptr<const Packs> whole, gate, up;
+  };
+  GateUpPacks GateUpForwardPacks(const ExpertWeights& w, const at::Tensor& x, bool fused) {
+    GateUpPacks p;
+    if (fused) {
+      const auto gate = Half(w, /*up=*/false), up = Half(w, /*up=*/true);
+      p.gate = Lookup(gate.first, gate.second, /*transposed=*/true, x);
+      p.up = Lookup(up.first, up.second, /*transposed=*/true, x);
+    } else {
+      p.whole = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/true, x);
+    }
+    return p;
+  }
+
+  // h = silu(gate)·up over one tile of gate_up = [gate | up]: the vector
+  // kernels, or the scalar twin (fused_swiglu off, or float64).
+  void SiluMulTile(const at::Tensor& gu_t, const at::Tensor& h_t) const {
+    if (fused_swiglu_ && OnKernels(gu_t)) {
+      const int64_t inter = h_t.size(1);
+      kernels::SiluMul(kernels::ActiveIsa(), h_t.size(0), inter, RowsOf(gu_t), RowsOf(gu_t, inter),
+                       RowsOf(h_t));
+      return;
+    }
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu_t.scalar_type(), "SiluMul",
+                                   [&] { SiluMul<scalar_t>(gu_t, h_t); });
+  }
+
+  // w's packs for the kernels that will multiply x's rows by it (null: the
+  // GEMMs pack per call).
+  std::shared_ptr<const Packs> Lookup(const at::Tensor& w, const at::Tensor& scale, bool transposed,
+                                      const at::Tensor& x) {
+    if (!OnKernels(x)) return nullptr;
+    return packs_.Lookup(w, scale, transposed, kernels::ActiveIsa(), KernelType(x.scalar_type()));
+  }
+
   template <typename Fn>
   void RunTiles(size_t num_tiles, const Fn& fn) {
     if (num_tiles == 0) return;
@@ -483,6 +644,8 @@ class GroupedBackend final : public ExpertBackend {
 
   int num_threads_;
   tbb::task_arena arena_;
+  PackedWeightCache packs_;
+  bool fused_swiglu_;
 };
 
 }  // namespace

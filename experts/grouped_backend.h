@@ -1,12 +1,16 @@
 // `grouped`: the fast CPU expert backend. Rows arrive sorted by expert; the
 // work is cut into (expert, row-block) tiles so that a hot expert spreads over
 // all cores while cold ones cost nothing, and the tiles run in parallel on a
-// oneTBB arena with single-threaded GEMMs. Gate and up come out of one GEMM
-// against the packed [2I, H] weight; SiLU(gate)·up (and its derivative in the
-// backward pass) is one fused pass over the tile. LoRA adapters add two thin
-// GEMMs per projection to the same tiles (in fp32 for a bf16 base), and their
-// gradients are summed per expert beside the base weight gradients, which a
-// frozen base skips.
+// oneTBB arena with single-threaded GEMMs. Each weight is packed into the
+// kernels' format once per change, not per GEMM (packed_weights.h). Gate and
+// up are computed a block of columns at a time, and SiLU(gate)·up of a block
+// right after its two GEMMs, with a vector exp (with a LoRA adapter on
+// gate/up, whose term must be added first: after the tile's whole GEMM); the
+// backward's SwiGLU derivative is one vector pass over the tile.
+// BackendOptions::fused_swiglu false keeps the scalar twin. LoRA adapters add
+// two thin GEMMs per projection to the same tiles (in fp32 for a bf16 base),
+// and their gradients are summed per expert beside the base weight gradients,
+// which a frozen base skips.
 #pragma once
 
 #include <memory>

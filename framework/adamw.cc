@@ -3,11 +3,15 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/TensorImpl.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
 #include <cstring>
+
+#include "experts/kernels/isa.h"
 
 namespace moefit::framework {
 namespace {
@@ -40,6 +44,74 @@ inline uint16_t RoundBf16(float w, bool stochastic, uint32_t r) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
   if (stochastic) return static_cast<uint16_t>((u + r) >> 16);
   return c10::BFloat16(w).x;  // to nearest even
+}
+
+// One tensor's fused update: its pointers and the step's constants.
+struct Update {
+  float* p;
+  float* m;
+  float* v;
+  const float* g;
+  uint16_t* copy;  // null: no attached copy
+  float decay, b1, b2, one_b1, one_b2, inv_sqrt_bc2, eps, neg_step;
+  bool decayed;
+};
+
+// Elements [begin, end) of the update, one at a time.
+inline void UpdateScalar(const Update& u, int64_t begin, int64_t end) {
+  for (int64_t i = begin; i < end; ++i) {
+    const float gi_ = u.g[i];
+    float w = u.decayed ? u.p[i] * u.decay : u.p[i];
+    const float m = u.m[i] * u.b1 + u.one_b1 * gi_;
+    const float v = u.v[i] * u.b2 + u.one_b2 * gi_ * gi_;
+    u.m[i] = m;
+    u.v[i] = v;
+    w += u.neg_step * m / (std::sqrt(v) * u.inv_sqrt_bc2 + u.eps);
+    u.p[i] = w;
+  }
+}
+
+// The same eight elements at a time with AVX2, and the copy rounded to
+// nearest even in the same pass: the scalar loop's operations in its order,
+// each rounded once (no FMA contraction: the target has no FMA), so the same
+// bits. Returns the first element left for the scalar loop.
+__attribute__((target("avx2"))) int64_t UpdateAvx2(const Update& u, int64_t begin, int64_t end) {
+  const __m256 decay = _mm256_set1_ps(u.decay), b1 = _mm256_set1_ps(u.b1);
+  const __m256 b2 = _mm256_set1_ps(u.b2), one_b1 = _mm256_set1_ps(u.one_b1);
+  const __m256 one_b2 = _mm256_set1_ps(u.one_b2), inv = _mm256_set1_ps(u.inv_sqrt_bc2);
+  const __m256 eps = _mm256_set1_ps(u.eps), neg_step = _mm256_set1_ps(u.neg_step);
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i bias = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  int64_t i = begin;
+  for (; i + 8 <= end; i += 8) {
+    const __m256 g = _mm256_loadu_ps(u.g + i);
+    __m256 w = _mm256_loadu_ps(u.p + i);
+    if (u.decayed) w = _mm256_mul_ps(w, decay);
+    const __m256 m =
+        _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(u.m + i), b1), _mm256_mul_ps(one_b1, g));
+    const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(u.v + i), b2),
+                                   _mm256_mul_ps(_mm256_mul_ps(one_b2, g), g));
+    _mm256_storeu_ps(u.m + i, m);
+    _mm256_storeu_ps(u.v + i, v);
+    const __m256 den = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), inv), eps);
+    w = _mm256_add_ps(w, _mm256_div_ps(_mm256_mul_ps(neg_step, m), den));
+    _mm256_storeu_ps(u.p + i, w);
+    if (u.copy != nullptr) {
+      // RoundBf16 without stochastic rounding, lane by lane.
+      const __m256i bits = _mm256_castps_si256(w);
+      const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, abs_mask), inf);
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+      const __m256i rounded =
+          _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(bias, lsb)), 16);
+      const __m256i nan_bits = _mm256_or_si256(_mm256_srli_epi32(bits, 16), quiet);
+      const __m256i out = _mm256_blendv_epi8(rounded, nan_bits, nan);
+      // 16-bit halves of the eight lanes, in order.
+      const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(out, out), 0x08);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(u.copy + i), _mm256_castsi256_si128(packed));
+    }
+  }
+  return i;
 }
 
 }  // namespace
@@ -106,42 +178,48 @@ void FusedAdamW::Step(double lr) {
             cp[i] = RoundBf16(wp[i], hyper_.stochastic_rounding,
                               RandomBits16(hyper_.seed, s.step, s.key, s.first_element + i));
           }
+          s.copy.unsafeGetTensorImpl()->bump_version();
         }
         continue;
       }
-      float* pp = p.data_ptr<float>();
-      float* mp = s.m.data_ptr<float>();
-      float* vp = s.v.data_ptr<float>();
-      const float* gp = g.const_data_ptr<float>();
-      const float decay = static_cast<float>(1 - lr * wd);
-      const float fb1 = static_cast<float>(b1), fb2 = static_cast<float>(b2);
-      const float one_b1 = static_cast<float>(1 - b1), one_b2 = static_cast<float>(1 - b2);
-      const float inv_sqrt_bc2 = static_cast<float>(1 / std::sqrt(bc2));
-      const float eps = static_cast<float>(hyper_.eps);
-      const float neg_step = static_cast<float>(-step_size);
-      const bool decayed = wd != 0;
+      Update u;
+      u.p = p.data_ptr<float>();
+      u.m = s.m.data_ptr<float>();
+      u.v = s.v.data_ptr<float>();
+      u.g = g.const_data_ptr<float>();
+      u.decay = static_cast<float>(1 - lr * wd);
+      u.b1 = static_cast<float>(b1);
+      u.b2 = static_cast<float>(b2);
+      u.one_b1 = static_cast<float>(1 - b1);
+      u.one_b2 = static_cast<float>(1 - b2);
+      u.inv_sqrt_bc2 = static_cast<float>(1 / std::sqrt(bc2));
+      u.eps = static_cast<float>(hyper_.eps);
+      u.neg_step = static_cast<float>(-step_size);
+      u.decayed = wd != 0;
       auto* cp = s.copy.defined() ? reinterpret_cast<uint16_t*>(s.copy.data_ptr<at::BFloat16>())
                                   : nullptr;
       const bool stochastic = hyper_.stochastic_rounding;
+      // The vector pass writes the copy too, unless its rounding is
+      // stochastic (random bits per element: the scalar loop's).
+      u.copy = stochastic ? nullptr : cp;
+      const bool avx2 = static_cast<int>(experts::kernels::ActiveIsa()) >=
+                        static_cast<int>(experts::kernels::Isa::kAvx2);
       const uint64_t seed = hyper_.seed, key = s.key;
       const int64_t step = s.step, first = s.first_element;
+      const float* pp = u.p;
       at::parallel_for(0, p.numel(), kGrain, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) {
-          const float gi_ = gp[i];
-          float w = decayed ? pp[i] * decay : pp[i];
-          const float m = mp[i] * fb1 + one_b1 * gi_;
-          const float v = vp[i] * fb2 + one_b2 * gi_ * gi_;
-          mp[i] = m;
-          vp[i] = v;
-          w += neg_step * m / (std::sqrt(v) * inv_sqrt_bc2 + eps);
-          pp[i] = w;
-        }
+        const int64_t vector_end = avx2 ? UpdateAvx2(u, begin, end) : begin;
+        UpdateScalar(u, vector_end, end);
         if (cp == nullptr) return;
-        for (int64_t i = begin; i < end; ++i) {
+        for (int64_t i = stochastic ? begin : vector_end; i < end; ++i) {
           cp[i] = RoundBf16(pp[i], stochastic,
                             stochastic ? RandomBits16(seed, step, key, first + i) : 0u);
         }
       });
+      // Written through raw pointers: tell ATen's version counters, which
+      // the expert layer's packed weights (experts/packed_weights.h) check.
+      p.unsafeGetTensorImpl()->bump_version();
+      if (cp != nullptr) s.copy.unsafeGetTensorImpl()->bump_version();
     }
   }
 }

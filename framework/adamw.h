@@ -12,6 +12,9 @@
 //     p ← p − lr/(1 − β1ᵗ) · m / (√v / √(1 − β2ᵗ) + ε)
 // Tensors on another device, or of another dtype, take the same formula as
 // ATen ops: the slow, obviously-correct twin the fused pass is tested against.
+// Where the CPU has AVX2 (and the expert kernels are not held narrower, see
+// experts/kernels/isa.h), the pass runs eight elements at a time with the
+// scalar loop's operations in its order, so the bits do not depend on it.
 #pragma once
 
 #include <ATen/core/Tensor.h>

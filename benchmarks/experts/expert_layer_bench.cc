@@ -17,6 +17,7 @@
 // run stays short.
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
+#include <c10/core/TensorImpl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -45,20 +46,32 @@ void Record(benchmark::State& state, double flops) {
       benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// What an optimizer step does to the base weights as far as the backends can
+// tell (FusedAdamW bumps the version counters of what it writes).
+void BumpVersions(const ExpertWeights& w) {
+  w.gate_up_proj.unsafeGetTensorImpl()->bump_version();
+  w.down_proj.unsafeGetTensorImpl()->bump_version();
+}
+
 // dtype float8_e4m3fn: frozen FP8 weights (block-quantized from the float32
 // ones) with bfloat16 activations, forward + dX only (no weight gradients), so
 // two forwards' FLOPs.
-void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype) {
+void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype,
+                    BackendOptions options) {
   const bool fp8 = dtype == at::kFloat8_e4m3fn;
   ExpertProblem p = MakeExpertProblem(g_shape, fp8 ? at::kBFloat16 : dtype, 0);
   ExpertWeights w{p.gate_up_proj, p.down_proj};
   if (fp8) w = QuantizeFp8(p);
-  auto backend = CreateExpertBackend(backend_name, {});
+  auto backend = CreateExpertBackend(backend_name, options);
   if (!backend.ok()) {
     state.SkipWithError(std::string(backend.status().message()).c_str());
     return;
   }
   for (auto _ : state) {
+    // Trainable weights change at every optimizer step: their packed copies
+    // (experts/packed_weights.h) are made again in each iteration. Frozen
+    // FP8 ones are packed once.
+    if (!fp8) BumpVersions(w);
     at::Tensor act;
     at::Tensor y = (*backend)->Forward(p.x, p.counts, w, &act);
     ExpertGrads g =
@@ -81,7 +94,9 @@ void BM_LoraStep(benchmark::State& state, at::ScalarType dtype) {
     state.SkipWithError(std::string(backend.status().message()).c_str());
     return;
   }
-  const ExpertWeights full{p.gate_up_proj, p.down_proj};
+  // Full fine-tuning updates its own copy of the base at every step (so its
+  // packs are made again each time); the frozen base of LoRA stays packed.
+  const ExpertWeights full{p.gate_up_proj.clone(), p.down_proj.clone()};
   const ExpertWeights with_lora{p.gate_up_proj, p.down_proj, lora};
   // Seconds of one forward + backward.
   auto step = [&](const ExpertWeights& w, bool base_weight_grads, bool recompute) {
@@ -96,6 +111,7 @@ void BM_LoraStep(benchmark::State& state, at::ScalarType dtype) {
   step(full, true, false);  // warm-up: first touch of the buffers
   double full_s = 0, lora_s = 0, recompute_s = 0;
   for (auto _ : state) {
+    BumpVersions(full);
     const double f = step(full, true, false);
     const double l = step(with_lora, false, false);
     const double r = step(with_lora, false, true);
@@ -207,7 +223,20 @@ int main(int argc, char** argv) {
       {"grouped", at::kFloat8_e4m3fn, "fp8_frozen"}};
   for (auto [backend, dtype, dname] : layers) {
     benchmark::RegisterBenchmark((std::string("experts/") + backend + "/" + dname).c_str(),
-                                 moefit::experts::BM_ExpertLayer, std::string(backend), dtype)
+                                 moefit::experts::BM_ExpertLayer, std::string(backend), dtype,
+                                 moefit::experts::BackendOptions{})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->MinTime(1.0);
+  }
+  // The grouped backend without its packed weights and fused SwiGLU (each
+  // GEMM packs its weight, one scalar SiLU pass): what those two give, in
+  // the same run.
+  for (auto [dtype, dname] : {std::pair{at::kFloat, "fp32"}, std::pair{at::kBFloat16, "bf16"}}) {
+    benchmark::RegisterBenchmark(
+        (std::string("experts/grouped_unpacked_unfused/") + dname).c_str(),
+        moefit::experts::BM_ExpertLayer, std::string("grouped"), dtype,
+        moefit::experts::BackendOptions{.packed_weight_bytes = 0, .fused_swiglu = false})
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(1.0);

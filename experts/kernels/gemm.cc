@@ -75,6 +75,66 @@ void CheckOperand(const Operand& op, const char* name) {
               " needs its block scales");
 }
 
+// The blocked path (see the loop nest above). b_block_at(k0, kb, n0, nb,
+// scratch) returns B's kb x nb block at (k0, n0) in the kernels' panels:
+// packed into `scratch` (room for the largest block) or found packed ahead.
+template <typename BBlockAt>
+void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, const Operand& a,
+             const Output& c, bool accumulate, const BBlockAt& b_block_at) {
+  thread_local Workspace ws;
+  // With one block of rows, each packed B block is used once, right after it
+  // is packed: keep it small enough to stay in L2 instead of travelling to
+  // memory and back. With more rows, wide blocks pack A fewer times.
+  const int64_t nb_block = m <= kern.mb ? std::min<int64_t>(kern.nb, kSmallBlockColumns) : kern.nb;
+  const int64_t nb_max = std::min(nb_block, n);
+  const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
+  const int64_t mb_max = std::min(kern.mb, m);
+  // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
+  auto k_slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
+  const int64_t a_panels = (mb_max + kern.mr - 1) / kern.mr;
+  const int64_t b_panels = (nb_max + kern.nr - 1) / kern.nr;
+  float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * k_slots(kb_max)));
+  float* bp = Grow(ws.b, static_cast<size_t>(b_panels * kern.nr * k_slots(kb_max)));
+  // float32 output: the microkernel accumulates into it directly; bfloat16:
+  // into a float32 block that is rounded once, after the whole reduction.
+  const bool direct = c.type == ElemType::kF32;
+  float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
+
+  for (int64_t n0 = 0; n0 < n; n0 += nb_block) {
+    const int64_t nb = std::min(nb_block, n - n0);
+    float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
+    const int64_t ldc = direct ? c.row_stride : nb;
+    for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+      const int64_t kb = std::min(kern.kb, k_size - k0);
+      const int64_t slots = k_slots(kb);
+      const float* b_block = b_block_at(k0, kb, n0, nb, bp);
+      const bool acc = k0 > 0 || (direct && accumulate);
+      for (int64_t m0 = 0; m0 < m; m0 += kern.mb) {
+        const int64_t mb = std::min(kern.mb, m - m0);
+        kern.pack_a(a, m0, mb, k0, kb, ap);
+        for (int64_t j = 0; j < nb; j += kern.nr) {
+          const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
+          const float* b_panel = b_block + (j / kern.nr) * kern.nr * slots;
+          for (int64_t i = 0; i < mb; i += kern.mr) {
+            const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mb - i));
+            kern.micro(kb, ap + (i / kern.mr) * kern.mr * slots, b_panel, cblk + (m0 + i) * ldc + j,
+                       ldc, rows, cols, acc);
+          }
+        }
+      }
+    }
+    if (!direct) {
+      for (int64_t i = 0; i < m; ++i) {
+        uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
+        const float* src = cbuf + i * ldc;
+        for (int64_t j = 0; j < nb; ++j) {
+          out[j] = RoundToBf16(accumulate ? FromBf16(out[j]) + src[j] : src[j]);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 float ElementValue(const Operand& op, int64_t i, int64_t j) {
@@ -148,58 +208,101 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
       kern.small_rows(m, n, k_size, a, b, c, accumulate)) {
     return;
   }
-  thread_local Workspace ws;
-  // With one block of rows, each packed B block is used once, right after it
-  // is packed: keep it small enough to stay in L2 instead of travelling to
-  // memory and back. With more rows, wide blocks pack A fewer times.
-  const int64_t nb_block = m <= kern.mb ? std::min<int64_t>(kern.nb, kSmallBlockColumns) : kern.nb;
-  const int64_t nb_max = std::min(nb_block, n);
-  const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
-  const int64_t mb_max = std::min(kern.mb, m);
-  // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
-  auto k_slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
-  const int64_t a_panels = (mb_max + kern.mr - 1) / kern.mr;
-  const int64_t b_panels = (nb_max + kern.nr - 1) / kern.nr;
-  float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * k_slots(kb_max)));
-  float* bp = Grow(ws.b, static_cast<size_t>(b_panels * kern.nr * k_slots(kb_max)));
-  // float32 output: the microkernel accumulates into it directly; bfloat16:
-  // into a float32 block that is rounded once, after the whole reduction.
-  const bool direct = c.type == ElemType::kF32;
-  float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
+  Blocked(kern, m, n, k_size, a, c, accumulate,
+          [&](int64_t k0, int64_t kb, int64_t n0, int64_t nb, float* scratch) {
+            kern.pack_b(b, k0, kb, n0, nb, scratch);
+            return static_cast<const float*>(scratch);
+          });
+}
 
-  for (int64_t n0 = 0; n0 < n; n0 += nb_block) {
-    const int64_t nb = std::min(nb_block, n - n0);
-    float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
-    const int64_t ldc = direct ? c.row_stride : nb;
-    for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
-      const int64_t kb = std::min(kern.kb, k_size - k0);
-      const int64_t slots = k_slots(kb);
-      kern.pack_b(b, k0, kb, n0, nb, bp);
-      const bool acc = k0 > 0 || (direct && accumulate);
-      for (int64_t m0 = 0; m0 < m; m0 += kern.mb) {
-        const int64_t mb = std::min(kern.mb, m - m0);
-        kern.pack_a(a, m0, mb, k0, kb, ap);
-        for (int64_t j = 0; j < nb; j += kern.nr) {
-          const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
-          const float* b_panel = bp + (j / kern.nr) * kern.nr * slots;
-          for (int64_t i = 0; i < mb; i += kern.mr) {
-            const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mb - i));
-            kern.micro(kb, ap + (i / kern.mr) * kern.mr * slots, b_panel, cblk + (m0 + i) * ldc + j,
-                       ldc, rows, cols, acc);
-          }
-        }
-      }
-    }
-    if (!direct) {
-      for (int64_t i = 0; i < m; ++i) {
-        uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
-        const float* src = cbuf + i * ldc;
-        for (int64_t j = 0; j < nb; ++j) {
-          out[j] = RoundToBf16(accumulate ? FromBf16(out[j]) + src[j] : src[j]);
-        }
-      }
-    }
+PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Operand& b)
+    : isa_(isa), a_type_(a_type), k_size_(k_size), n_(n), source_(b) {
+  TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "PackedB: ", IsaName(isa),
+              " kernels cannot run on this CPU (", CpuFlags(), ")");
+  TORCH_CHECK(k_size >= 0 && n >= 0, "PackedB: negative size");
+  CheckOperand(b, "B");
+  Operand a_like;
+  a_like.type = a_type;
+  const PackedKernels& kern = Select(isa, a_like, b);
+  kern_ = &kern;
+  const int64_t panels = (n + kern.nr - 1) / kern.nr;
+  const int64_t kb_full = std::min(kern.kb, k_size + (k_size & 1));
+  auto slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
+  block_floats_ = panels * kern.nr * slots(kb_full);
+  int64_t total = 0;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+    total += panels * kern.nr * slots(std::min(kern.kb, k_size - k0));
   }
+  data_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(total));
+  num_floats_ = total;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+    if (n > 0)
+      kern.pack_b(b, k0, std::min(kern.kb, k_size - k0), 0, n,
+                  data_.get() + (k0 / kern.kb) * block_floats_);
+  }
+}
+
+int64_t PackedB::Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, ElemType b_type) {
+  Operand a_like, b_like;
+  a_like.type = a_type;
+  b_like.type = b_type;
+  const PackedKernels& kern = Select(isa, a_like, b_like);
+  const int64_t panels = (n + kern.nr - 1) / kern.nr;
+  int64_t floats = 0;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+    const int64_t kb = std::min(kern.kb, k_size - k0);
+    floats += panels * kern.nr * (kern.pairs ? (kb + 1) / 2 : kb);
+  }
+  return floats * static_cast<int64_t>(sizeof(float));
+}
+
+const float* PackedB::Block(int64_t k0) const {
+  return data_.get() + (k0 / kern_->kb) * block_floats_;
+}
+
+void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,
+          RowPath path) {
+  GemmColumns(isa, m, a, b, 0, b.n(), c, accumulate, path);
+}
+
+void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                 int64_t num_cols, const Output& c, bool accumulate, RowPath path) {
+  TORCH_CHECK(!b.empty(), "Gemm: the packed B is empty");
+  TORCH_CHECK(col0 >= 0 && num_cols >= 0 && col0 + num_cols <= b.n(), "Gemm: columns [", col0, ", ",
+              col0 + num_cols, ") outside the packed B's ", b.n());
+  const int64_t k_size = b.k_size();
+  const bool streamed =
+      path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
+  // Where the pack does not serve this call, the unpacked GEMM does (the
+  // same bits): another instruction set or A type, the streamed path, a
+  // bfloat16 output taken in row chunks, columns off the panel grid, or
+  // nothing to multiply.
+  if (isa != b.isa_ || a.type != b.a_type_ || &Select(isa, a, b.source_) != b.kern_ || streamed ||
+      m == 0 || num_cols == 0 || k_size == 0 || col0 % b.kern_->nr != 0 ||
+      (c.type != ElemType::kF32 && m > kMaxBufferedRows)) {
+    Operand src = b.source_;
+    if (col0 > 0) {
+      src.data =
+          static_cast<const char*>(src.data) + col0 * src.col_stride * ElementBytes(src.type);
+      if (src.type == ElemType::kF8E4M3) {
+        TORCH_CHECK(col0 % kScaleBlock == 0, "Gemm: FP8 column ranges must start on a scale block");
+        src.scales += (col0 / kScaleBlock) * src.scale_col_stride;
+      }
+    }
+    Gemm(isa, m, num_cols, k_size, a, src, c, accumulate, path);
+    return;
+  }
+  TORCH_CHECK(c.type == ElemType::kF32 || c.type == ElemType::kBF16,
+              "Gemm: the output is float32 or bfloat16");
+  TORCH_CHECK(c.data != nullptr, "Gemm: output has no data");
+  CheckOperand(a, "A");
+  const PackedKernels& kern = *b.kern_;
+  const int64_t nr = kern.nr;
+  Blocked(kern, m, num_cols, k_size, a, c, accumulate,
+          [&](int64_t k0, int64_t kb, int64_t n0, int64_t /*nb*/, float* /*scratch*/) {
+            const int64_t slots = kern.pairs ? (kb + 1) / 2 : kb;
+            return b.Block(k0) + ((col0 + n0) / nr) * nr * slots;
+          });
 }
 
 }  // namespace moefit::experts::kernels

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "experts/kernels/isa.h"
 
@@ -84,6 +85,68 @@ void Gemm(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand&
           bool accumulate, RowPath path = RowPath::kAuto);
 void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
           const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
+
+namespace internal {
+struct PackedKernels;
+}
+
+// B (k_size x n) packed once, ahead of the calls that multiply by it, in the
+// panels that one instruction set's blocked path packs it into call by call:
+// the expert layer packs each weight once per optimizer step (trainable) or
+// once at load (frozen) instead of once per GEMM. Gemm with a PackedB gives
+// the same bits as Gemm with its source operand. The source stays referenced
+// (not copied): the streamed path and calls on another instruction set read
+// it, so it must outlive the PackedB and must not change while it is used
+// -- the caller rebuilds the pack when the weights change.
+//
+// Memory: k_size x n rounded up to the microkernel's panels, 4 bytes per
+// element in float32 mode (float32 weights, or any weight on AVX2, AVX-512F
+// and portable kernels) and 2 in bfloat16-pairs mode (bfloat16 or FP8
+// weights on avx512_bf16).
+class PackedB {
+ public:
+  PackedB() = default;
+  // Packs for `isa`'s kernels, multiplied by an A of type a_type.
+  PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Operand& b);
+
+  // The bytes such a pack takes (what the constructor allocates).
+  static int64_t Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, ElemType b_type);
+
+  bool empty() const { return kern_ == nullptr; }
+  int64_t bytes() const { return num_floats_ * static_cast<int64_t>(sizeof(float)); }
+  int64_t k_size() const { return k_size_; }
+  int64_t n() const { return n_; }
+  const Operand& source() const { return source_; }
+
+ private:
+  friend void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                          int64_t num_cols, const Output& c, bool accumulate, RowPath path);
+  // The packed panels of the k block that starts at k0.
+  const float* Block(int64_t k0) const;
+
+  const internal::PackedKernels* kern_ = nullptr;
+  Isa isa_ = Isa::kPortable;
+  ElemType a_type_ = ElemType::kF32;
+  int64_t k_size_ = 0, n_ = 0;
+  int64_t block_floats_ = 0;  // floats per full k block (all column panels)
+  Operand source_;
+  // Written whole by the packing, so not value-initialized first.
+  std::unique_ptr<float[]> data_;
+  int64_t num_floats_ = 0;
+};
+
+// C = (accumulate ? C : 0) + A · B with B packed ahead (m x b.n() over
+// b.k_size()). Same bits as Gemm(isa, m, b.n(), b.k_size(), a,
+// b.source(), c, accumulate, path); where the pack does not fit the call
+// (another instruction set or A's type) that Gemm runs instead.
+void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,
+          RowPath path = RowPath::kAuto);
+
+// The same for columns [col0, col0 + num_cols) of B only (c points at the
+// output of column col0): the bits of those columns of the whole product.
+// With FP8 B, col0 is a multiple of kScaleBlock.
+void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
+                 int64_t num_cols, const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
 
 // The float32 value of one element, by c10's conversions (the reference the
 // kernels' packing is tested against).

@@ -6,6 +6,7 @@
 #define MOEFIT_PACK_WIDTH 8
 #include "experts/kernels/internal/pack_x86.h"
 #include "experts/kernels/internal/packed_kernels.h"
+#include "experts/kernels/internal/swiglu_avx2.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {
@@ -72,7 +73,9 @@ const PackedKernels& Avx2F32Kernels() {
                                &PackAGeneric<kMr, false>,
                                &PackBF32<kNr>,
                                &Micro,
-                               &SmallRowsUpTo8};
+                               &SmallRowsUpTo8,
+                               &SiluMulAvx2,
+                               &SiluMulBackwardAvx2};
   return k;
 }
 

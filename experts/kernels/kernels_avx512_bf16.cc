@@ -9,6 +9,7 @@
 #define MOEFIT_PACK_WIDTH 16
 #include "experts/kernels/internal/pack_x86.h"
 #include "experts/kernels/internal/packed_kernels.h"
+#include "experts/kernels/internal/swiglu_avx2.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {
@@ -128,7 +129,9 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &PackAGeneric<kMr, true>,
                                &PackBPairs,
                                &Micro,
-                               &SmallRowsUpTo8};
+                               &SmallRowsUpTo8,
+                               &SiluMulAvx2,
+                               &SiluMulBackwardAvx2};
   return k;
 }
 

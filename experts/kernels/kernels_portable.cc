@@ -2,6 +2,7 @@
 // x86-64 CPU can run and the one the wider sets are checked against.
 #include "experts/kernels/internal/pack_common.h"
 #include "experts/kernels/internal/packed_kernels.h"
+#include "experts/kernels/internal/swiglu_scalar.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {
@@ -46,7 +47,9 @@ const PackedKernels& PortableF32Kernels() {
                                &PackAGeneric<kMr, false>,
                                &PackBGeneric<kNr, false>,
                                &Micro,
-                               nullptr};
+                               nullptr,
+                               &SiluMulScalar,
+                               &SiluMulBackwardScalar};
   return k;
 }
 

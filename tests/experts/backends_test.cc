@@ -5,6 +5,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <memory>
 #include <tuple>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "experts/expert_problem.h"
 #include "experts/kernels/gemm.h"
 #include "experts/kernels/isa.h"
+#include "experts/kernels/swiglu.h"
 #include "experts/registry.h"
 
 namespace moefit::experts {
@@ -542,6 +545,185 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
     }
   }
   kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// The grouped backend keeps its weights packed between calls
+// (packed_weights.h, from their second use on) and never uses a pack after
+// the weight changed: after
+// an in-place ATen update, and after a raw write that bumps the version
+// counter as FusedAdamW does, forward and backward (saved and recomputed
+// activations) give the bits of a backend that packs per call, on every
+// instruction set, float32 and bfloat16. A raw write that does not bump it
+// is still seen by experts on the streamed path only: proof that the packs
+// are really used, and that the version counter is what keeps them fresh.
+TEST(GroupedKernels, PackedWeightsFollowEveryWeightChange) {
+  using kernels::Isa;
+  const ExpertProblemShape shape{"mixed", 60, 45, 37, 6, 2, RoutingPattern::kSkewed};
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      const std::string what =
+          std::string(kernels::IsaName(isa)) + (dtype == at::kFloat ? " f32" : " bf16");
+      ExpertProblem p = MakeExpertProblem(shape, dtype, 21);
+      bool few = false, many = false;
+      for (int64_t c : p.counts) {
+        few |= c > 0 && c <= kernels::kMaxStreamedRows;
+        many |= c > kernels::kMaxStreamedRows;
+      }
+      ASSERT_TRUE(few && many) << "the problem must exercise both paths";
+      auto cached = Backend("grouped");
+      auto per_call = CreateExpertBackend("grouped", {.num_threads = 2, .packed_weight_bytes = 0});
+      ASSERT_TRUE(per_call.ok());
+      // Runs both backends (saved and recomputed activations) and checks
+      // that they agree bit for bit; returns the cached backend's output.
+      auto run_and_compare = [&](const std::string& step) {
+        at::Tensor act_a, act_b;
+        at::Tensor y_a = cached->Forward(p.x, p.counts, Weights(p), &act_a);
+        at::Tensor y_b = (*per_call)->Forward(p.x, p.counts, Weights(p), &act_b);
+        EXPECT_TRUE(at::equal(y_a, y_b)) << what << " " << step;
+        for (bool recompute : {false, true}) {
+          ExpertGrads g_a = cached->Backward(p.grad_y, p.x, p.counts, Weights(p),
+                                             recompute ? at::Tensor() : act_a);
+          ExpertGrads g_b = (*per_call)->Backward(p.grad_y, p.x, p.counts, Weights(p),
+                                                  recompute ? at::Tensor() : act_b);
+          ExpectGradsEqual(g_a, g_b, what + " " + step + (recompute ? " recomputed" : ""));
+        }
+        return y_a;
+      };
+      const at::Tensor y0 = run_and_compare("first");
+      // An optimizer's ATen twin: in-place ops bump the version.
+      {
+        at::NoGradGuard no_grad;
+        p.gate_up_proj.mul_(1.5);
+        p.down_proj.add_(at::ones_like(p.down_proj), 0.01);
+      }
+      const at::Tensor y1 = run_and_compare("after in-place ops");
+      EXPECT_FALSE(at::equal(y1, y0)) << what;
+      // A raw write (as FusedAdamW's fused pass), with the version bumped.
+      auto raw_scale = [](at::Tensor w, float f) {
+        at::Tensor scaled = (w.to(at::kFloat) * f).to(w.scalar_type());
+        std::memcpy(w.data_ptr(), scaled.const_data_ptr(), w.nbytes());
+      };
+      raw_scale(p.gate_up_proj, -0.5f);
+      p.gate_up_proj.unsafeGetTensorImpl()->bump_version();
+      const at::Tensor y2 = run_and_compare("after a raw write");
+      EXPECT_FALSE(at::equal(y2, y1)) << what;
+      // Without the bump, experts on the blocked path keep multiplying by
+      // their packs (stale; the forward's gate/up packs were made by the
+      // recomputation above, their second use); the per-call backend sees
+      // the new weights.
+      raw_scale(p.gate_up_proj, 2.0f);
+      at::Tensor act;
+      const at::Tensor y_stale = cached->Forward(p.x, p.counts, Weights(p), &act);
+      const at::Tensor y_fresh = (*per_call)->Forward(p.x, p.counts, Weights(p), &act);
+      int64_t row = 0;
+      for (int64_t e = 0; e < shape.num_experts; ++e) {
+        const int64_t n = p.counts[e];
+        if (n > 0) {
+          const bool same = at::equal(y_stale.narrow(0, row, n), y_fresh.narrow(0, row, n));
+          EXPECT_EQ(same, n <= kernels::kMaxStreamedRows) << what << " expert " << e;
+          EXPECT_EQ(at::equal(y_stale.narrow(0, row, n), y2.narrow(0, row, n)),
+                    n > kernels::kMaxStreamedRows)
+              << what << " expert " << e;
+        }
+        row += n;
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// SwiGLU fused into the gate/up GEMM (column blocks, vector exp) against its
+// slow twin (one GEMM, then the scalar pass) on every instruction set, in
+// float32, bfloat16 and frozen FP8, with saved and recomputed activations:
+// the gate/up pre-activations bit for bit (the GEMMs' columns do not depend
+// on the blocking); everything after SiLU within the vector exp's few units
+// in the last place (float32: 1e-5 of the largest magnitude; bfloat16: 1e-2,
+// a bfloat16 rounding moved by it); on the portable kernels, which use
+// std::exp in the same order, bit for bit. Shapes: I not a multiple of the
+// column block, I over two blocks with a tail, and FP8 halves on and off a
+// scale block (off: the unfused GEMM with the vector pass).
+TEST(GroupedKernels, FusedSwiGluMatchesTheScalarTwin) {
+  using kernels::Isa;
+  const ExpertProblemShape shapes[] = {
+      {"odd", 70, 45, 37, 5, 2, RoutingPattern::kSkewed},
+      {"blocks", 60, 40, 600, 4, 2, RoutingPattern::kSkewed},
+      {"fp8_aligned", 40, 130, 256, 3, 2, RoutingPattern::kUniform},
+      {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
+  };
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    const bool exact = isa == Isa::kPortable;
+    for (const ExpertProblemShape& shape : shapes) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn}) {
+        const bool fp8 = dtype == at::kFloat8_e4m3fn;
+        const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name + " " +
+                                 std::string(c10::toString(dtype));
+        ExpertProblem p = MakeExpertProblem(shape, fp8 ? at::kBFloat16 : dtype, 31);
+        const ExpertWeights w = fp8 ? QuantizeFp8(p) : Weights(p);
+        const double tol = exact ? 0.0 : (dtype == at::kFloat ? 1e-5 : 1e-2);
+        auto fused = CreateExpertBackend("grouped", {.num_threads = 2});
+        auto twin = CreateExpertBackend("grouped", {.num_threads = 2, .fused_swiglu = false});
+        ASSERT_TRUE(fused.ok() && twin.ok());
+        at::Tensor act_f, act_t;
+        const at::Tensor y_f = (*fused)->Forward(p.x, p.counts, w, &act_f);
+        const at::Tensor y_t = (*twin)->Forward(p.x, p.counts, w, &act_t);
+        EXPECT_TRUE(at::equal(act_f, act_t)) << what << " gate/up";
+        EXPECT_LE(RelErr(y_f, y_t), tol) << what << " y";
+        const BackwardOptions options{.base_weight_grads = !fp8};
+        for (bool recompute : {false, true}) {
+          const std::string w_what = what + (recompute ? " recomputed" : "");
+          ExpertGrads g_f = (*fused)->Backward(p.grad_y, p.x, p.counts, w,
+                                               recompute ? at::Tensor() : act_f, options);
+          ExpertGrads g_t = (*twin)->Backward(p.grad_y, p.x, p.counts, w,
+                                              recompute ? at::Tensor() : act_t, options);
+          EXPECT_LE(RelErr(g_f.x, g_t.x), tol) << w_what << " dx";
+          if (!fp8) {
+            EXPECT_LE(RelErr(g_f.gate_up_proj, g_t.gate_up_proj), tol) << w_what;
+            EXPECT_LE(RelErr(g_f.down_proj, g_t.down_proj), tol) << w_what;
+          }
+        }
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// The vector SwiGLU kernels against the scalar ones (portable) on rows with
+// a tail, over the range where exp over- and underflows, element by element:
+// within 8 float32 units in the last place of the magnitudes involved.
+TEST(SwiGluKernels, VectorMatchesScalarElementwise) {
+  using kernels::Isa;
+  const int64_t m = 3, n = 203;
+  at::Tensor g = at::linspace(-100, 100, m * n).reshape({m, n}).contiguous();
+  at::Tensor u = at::randn({m, n}), dh = at::randn({m, n});
+  auto run = [&](Isa isa) {
+    std::vector<at::Tensor> out;
+    for (int i = 0; i < 4; ++i) out.push_back(at::empty({m, n}));
+    auto rows = [](const at::Tensor& t) {
+      return kernels::Rows{t.data_ptr(), kernels::ElemType::kF32, t.stride(0)};
+    };
+    kernels::SiluMul(isa, m, n, rows(g), rows(u), rows(out[0]));
+    kernels::SiluMulBackward(isa, m, n, rows(g), rows(u), rows(dh), rows(out[1]), rows(out[2]),
+                             rows(out[3]));
+    return out;
+  };
+  const std::vector<at::Tensor> ref = run(Isa::kPortable);
+  // Each output's scale per element: |g|·|u| bounds h and d_up·|dh|/|dh|,
+  // and |dh|·|u|·(1 + |g|) bounds d_gate.
+  const at::Tensor h_scale = g.abs() * u.abs() + 1e-30;
+  const std::vector<at::Tensor> scales = {h_scale, h_scale, dh.abs() * u.abs() * (1 + g.abs()),
+                                          dh.abs() * g.abs() + 1e-30};
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    const std::vector<at::Tensor> got = run(isa);
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double worst = ((got[i] - ref[i]).abs() / scales[i]).max().item<double>();
+      EXPECT_LE(worst, 8 * std::ldexp(1.0, -23)) << kernels::IsaName(isa) << " output " << i;
+    }
+  }
 }
 
 // Frozen FP8 weights with 128 x 128 block scales: forward and dX (with and

@@ -185,6 +185,63 @@ TEST_P(GemmOnIsa, EmptyReductionZeroesOrKeeps) {
   EXPECT_TRUE(at::equal(out, at::zeros({3, 5})));
 }
 
+// B packed ahead (PackedB) gives the bits of B packed call by call, for
+// every B type and layout, rows of one or several blocks, float32 and
+// bfloat16 outputs, accumulation, and the calls it hands back to the
+// unpacked path (streamed rows, a tall bfloat16 output, another A type).
+TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
+  struct PackCase {
+    int64_t m, n, k;
+    ElemType a_type, b_type;
+    bool b_transposed;
+    ElemType out_type;
+    bool accumulate;
+    RowPath path;
+  };
+  const PackCase cases[] = {
+      {13, 37, 141, ElemType::kF32, ElemType::kF32, true, ElemType::kF32, false, RowPath::kAuto},
+      {97, 600, 1030, ElemType::kF32, ElemType::kF32, false, ElemType::kF32, true,
+       RowPath::kBlocked},
+      {200, 2100, 70, ElemType::kBF16, ElemType::kBF16, true, ElemType::kBF16, false,
+       RowPath::kBlocked},
+      {40, 129, 513, ElemType::kBF16, ElemType::kBF16, false, ElemType::kF32, true,
+       RowPath::kBlocked},
+      {130, 70, 257, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, false,
+       RowPath::kBlocked},
+      {9, 45, 300, ElemType::kBF16, ElemType::kF8E4M3, false, ElemType::kBF16, true,
+       RowPath::kBlocked},
+      {5, 64, 129, ElemType::kF32, ElemType::kBF16, true, ElemType::kF32, false,
+       RowPath::kStreamed},
+      {300, 40, 70, ElemType::kBF16, ElemType::kBF16, true, ElemType::kBF16, true,
+       RowPath::kBlocked},
+      {1, 33, 2, ElemType::kF32, ElemType::kF32, false, ElemType::kF32, false, RowPath::kBlocked},
+  };
+  uint64_t seed = 300;
+  for (const PackCase& c : cases) {
+    SCOPED_TRACE(Describe(GetParam(), {c.m, c.n, c.k, c.a_type, c.b_type, false, c.b_transposed,
+                                       c.out_type, c.accumulate}));
+    Stored a = MakeOperand(c.m, c.k, c.a_type, false, seed++);
+    Stored b = MakeOperand(c.k, c.n, c.b_type, c.b_transposed, seed++);
+    const PackedB packed(GetParam(), c.a_type, c.k, c.n, b.op);
+    EXPECT_EQ(packed.bytes(), PackedB::Bytes(GetParam(), c.a_type, c.k, c.n, c.b_type));
+    at::Tensor prior = at::randn({c.m, c.n}).to(TorchType(c.out_type));
+    at::Tensor want = prior.clone(), got = prior.clone();
+    Gemm(GetParam(), c.m, c.n, c.k, a.op, b.op, Output{want.data_ptr(), c.out_type, c.n},
+         c.accumulate, c.path);
+    Gemm(GetParam(), c.m, a.op, packed, Output{got.data_ptr(), c.out_type, c.n}, c.accumulate,
+         c.path);
+    EXPECT_TRUE(at::equal(got, want));
+    // The same pack serves an A of another type (through the per-call path).
+    if (c.a_type == ElemType::kF32 && c.b_type != ElemType::kF32) {
+      Stored a16 = MakeOperand(c.m, c.k, ElemType::kBF16, false, seed++);
+      Gemm(GetParam(), c.m, c.n, c.k, a16.op, b.op, Output{want.data_ptr(), c.out_type, c.n}, false,
+           c.path);
+      Gemm(GetParam(), c.m, a16.op, packed, Output{got.data_ptr(), c.out_type, c.n}, false, c.path);
+      EXPECT_TRUE(at::equal(got, want));
+    }
+  }
+}
+
 // The same products on every instruction set that computes them in float32
 // agree to float32 rounding: a narrower set is a twin of a wider one.
 TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {

@@ -9,7 +9,10 @@
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 
+#include <limits>
 #include <vector>
+
+#include "experts/kernels/isa.h"
 
 namespace moefit::framework {
 namespace {
@@ -100,6 +103,12 @@ TEST(FusedAdamW, AttachedCopiesAreTheRoundedMasters) {
     a.AttachCopy(fused[i], ca[i]);
     b.AttachCopy(twin[i], cb[i]);
   }
+  std::vector<int64_t> versions_before;
+  for (size_t i = 0; i < fused.size(); ++i) {
+    for (const at::Tensor* t : {&fused[i], &twin[i], &ca[i], &cb[i]}) {
+      versions_before.push_back(t->_version());
+    }
+  }
   for (int step = 0; step < 3; ++step) {
     SetGrads(fused, step);
     SetGrads(twin, step);
@@ -110,7 +119,60 @@ TEST(FusedAdamW, AttachedCopiesAreTheRoundedMasters) {
       EXPECT_TRUE(at::equal(cb[i], twin[i].detach().to(at::kBFloat16))) << i;
     }
   }
+  // Each pass that wrote a tensor advanced its version counter (what the
+  // expert layer's packed weights check), whether it wrote through ATen or
+  // through raw pointers.
+  for (size_t i = 0; i < fused.size(); ++i) {
+    const int64_t steps = 3;
+    const int64_t* before = &versions_before[4 * i];
+    EXPECT_GE(fused[i]._version() - before[0], steps) << i;
+    EXPECT_GE(twin[i]._version() - before[1], steps) << i;
+    EXPECT_EQ(ca[i]._version() - before[2], steps) << i;
+    EXPECT_EQ(cb[i]._version() - before[3], steps) << i;
+  }
   EXPECT_THROW(a.AttachCopy(at::zeros({3}), at::zeros({3}, at::kBFloat16)), c10::Error);
+}
+
+// The fused pass's vector loop (AVX2, where the CPU has it) gives the bits of
+// its scalar loop, held to it with LimitIsa: masters, moments and the
+// copies rounded to nearest, at sizes that leave tails, with and without
+// weight decay; NaN and infinity reach the copies as the scalar rounding
+// makes them.
+TEST(FusedAdamW, VectorPassGivesTheScalarBits) {
+  using experts::kernels::Isa;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(5);
+  std::vector<at::Tensor> vec = Params(gen), scalar = Clone(vec);
+  {
+    at::NoGradGuard no_grad;
+    vec[3][0][0] = std::numeric_limits<float>::infinity();
+    vec[3][0][1] = std::numeric_limits<float>::quiet_NaN();
+    scalar[3].copy_(vec[3]);
+  }
+  FusedAdamW a({{{vec[0], vec[1]}, 0.1}, {{vec[2], vec[3]}, 0.0}}, {});
+  FusedAdamW b({{{scalar[0], scalar[1]}, 0.1}, {{scalar[2], scalar[3]}, 0.0}}, {});
+  std::vector<at::Tensor> ca, cb;
+  for (size_t i = 0; i < vec.size(); ++i) {
+    ca.push_back(at::zeros(vec[i].sizes(), at::kBFloat16));
+    cb.push_back(at::zeros(vec[i].sizes(), at::kBFloat16));
+    a.AttachCopy(vec[i], ca[i]);
+    b.AttachCopy(scalar[i], cb[i]);
+  }
+  for (int step = 0; step < 3; ++step) {
+    SetGrads(vec, step);
+    SetGrads(scalar, step);
+    a.Step(1e-2);
+    experts::kernels::LimitIsa(Isa::kPortable);
+    b.Step(1e-2);
+    experts::kernels::LimitIsa(experts::kernels::DetectIsa());
+    for (size_t i = 0; i < vec.size(); ++i) {
+      // Bit patterns, so that NaN compares too.
+      EXPECT_TRUE(at::equal(vec[i].detach().view(at::kInt), scalar[i].detach().view(at::kInt)))
+          << i;
+      EXPECT_TRUE(at::equal(ca[i].view(at::kShort), cb[i].view(at::kShort))) << i;
+      EXPECT_TRUE(at::equal(a.tensor_state(i / 2, i % 2).m, b.tensor_state(i / 2, i % 2).m)) << i;
+      EXPECT_TRUE(at::equal(a.tensor_state(i / 2, i % 2).v, b.tensor_state(i / 2, i % 2).v)) << i;
+    }
+  }
 }
 
 // Stochastic rounding: a master a quarter of a bfloat16 step above 1 rounds

@@ -42,6 +42,11 @@ struct PackedKernels {
   // when it does not take the call; the blocked path then runs.
   bool (*small_rows)(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                      const Output& c, bool accumulate);
+  // SwiGLU's activation over one float32 row of n (swiglu.h): h = silu(g)·u,
+  // and its backward (h again, dg, du from dh).
+  void (*silu_mul)(const float* g, const float* u, float* h, int64_t n);
+  void (*silu_mul_backward)(const float* g, const float* u, const float* dh, float* h, float* dg,
+                            float* du, int64_t n);
 };
 
 const PackedKernels& PortableF32Kernels();

@@ -1,0 +1,30 @@
+// SwiGLU's activation on float32 rows, one element at a time with std::exp:
+// the portable kernels' (see swiglu_avx2.h for the vector ones).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+namespace moefit::experts::kernels::internal {
+namespace {
+
+void SiluMulScalar(const float* g, const float* u, float* h, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float s = 1.0f / (1.0f + std::exp(-g[j]));
+    h[j] = g[j] * s * u[j];
+  }
+}
+
+void SiluMulBackwardScalar(const float* g, const float* u, const float* dh, float* h, float* dg,
+                           float* du, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float s = 1.0f / (1.0f + std::exp(-g[j]));
+    const float act = g[j] * s;
+    h[j] = act * u[j];
+    dg[j] = dh[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
+    du[j] = dh[j] * act;
+  }
+}
+
+}  // namespace
+}  // namespace moefit::experts::kernels::internal

@@ -437,6 +437,13 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
 
   // c. Activations to the host, in the experts' dtype (converted first: fewer bytes cross).
   at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_dtype), at::kCPU);
+  // The shared expert, queued now: on a GPU it runs while the host computes the routed experts.
+  at::Tensor shared;
+  if (l.shared_gate.defined()) {
+    shared = at::sigmoid(Linear(x, l.shared_gate, {}, l.shared_gate_lora)) * SwiGlu(x, l.mlp);
+  } else if (l.mlp.gate.defined()) {
+    shared = SwiGlu(x, l.mlp);
+  }
   // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
   const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU),
@@ -454,12 +461,7 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   // g. Combine: each token's routing-weighted sum over its experts comes home.
   at::Tensor out = dispatcher_->Combine(y, *rows.route).to(x.scalar_type());
   out = internal::MoveActivations(out, x.device());  // back to the dense device
-  if (l.shared_gate.defined()) {
-    out = out + at::sigmoid(Linear(x, l.shared_gate, {}, l.shared_gate_lora)) * SwiGlu(x, l.mlp);
-  } else if (l.mlp.gate.defined()) {
-    out = out + SwiGlu(x, l.mlp);
-  }
-  return out;
+  return shared.defined() ? out + shared : out;
 }
 
 at::Tensor MoeModel::DecoderLayer(const Layer& l, const at::Tensor& hidden_in,

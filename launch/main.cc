@@ -144,8 +144,8 @@ std::string Usage() {
          absl::StrJoin(parallel::DispatcherNames(), ", ") +
          ").\n"
          "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process;\n"
-         "      MOEFIT_CPU_ISA (portable, avx2, avx512, avx512_bf16) caps the instruction set\n"
-         "      of the expert kernels (default: the widest this CPU has).\n"
+         "      MOEFIT_CPU_ISA (portable, avx2, avx512, avx512_bf16, amx_bf16) caps the\n"
+         "      instruction set of the expert kernels (default: the widest this CPU has).\n"
          "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan),\n"
          "      124 a collective did not finish within parallel.timeout_s (or\n"
          "      parallel.startup_timeout_s outside training steps): a rank stalled, crashed\n"

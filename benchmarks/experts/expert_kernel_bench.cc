@@ -176,7 +176,7 @@ int main(int argc, char** argv) {
   std::printf("read bandwidth (one core, sum over 256 MB): %.1f GB/s\n\n", bw);
 
   std::vector<Isa> isas;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kAllIsas) {
     if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
     if (f.isa == "all" || f.isa == IsaName(isa) || (f.isa == "simd" && isa != Isa::kPortable)) {
       isas.push_back(isa);

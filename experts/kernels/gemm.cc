@@ -38,6 +38,8 @@ constexpr int64_t kSmallBlockColumns = 512;
 const PackedKernels& Select(Isa isa, const Operand& a, const Operand& b) {
   const bool narrow = a.type != ElemType::kF32 || b.type != ElemType::kF32;
   switch (isa) {
+    case Isa::kAmxBf16:
+      return narrow ? internal::AmxBf16Kernels() : internal::Avx512F32Kernels();
     case Isa::kAvx512Bf16:
       return narrow ? internal::Avx512Bf16PairKernels() : internal::Avx512F32Kernels();
     case Isa::kAvx512:
@@ -90,7 +92,7 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
   const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
   const int64_t mb_max = std::min(kern.mb, m);
   // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
-  auto k_slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
+  auto k_slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
   const int64_t a_panels = (mb_max + kern.mr - 1) / kern.mr;
   const int64_t b_panels = (nb_max + kern.nr - 1) / kern.nr;
   float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * k_slots(kb_max)));
@@ -100,6 +102,7 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
   const bool direct = c.type == ElemType::kF32;
   float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
 
+  if (kern.begin != nullptr) kern.begin();
   for (int64_t n0 = 0; n0 < n; n0 += nb_block) {
     const int64_t nb = std::min(nb_block, n - n0);
     float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
@@ -133,6 +136,7 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
       }
     }
   }
+  if (kern.end != nullptr) kern.end();
 }
 
 }  // namespace
@@ -227,7 +231,7 @@ PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Oper
   kern_ = &kern;
   const int64_t panels = (n + kern.nr - 1) / kern.nr;
   const int64_t kb_full = std::min(kern.kb, k_size + (k_size & 1));
-  auto slots = [&](int64_t kb) { return kern.pairs ? (kb + 1) / 2 : kb; };
+  auto slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
   block_floats_ = panels * kern.nr * slots(kb_full);
   int64_t total = 0;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
@@ -251,7 +255,7 @@ int64_t PackedB::Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, Elem
   int64_t floats = 0;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
     const int64_t kb = std::min(kern.kb, k_size - k0);
-    floats += panels * kern.nr * (kern.pairs ? (kb + 1) / 2 : kb);
+    floats += panels * kern.nr * internal::PanelSlots(kern, kb);
   }
   return floats * static_cast<int64_t>(sizeof(float));
 }
@@ -300,7 +304,7 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
   const int64_t nr = kern.nr;
   Blocked(kern, m, num_cols, k_size, a, c, accumulate,
           [&](int64_t k0, int64_t kb, int64_t n0, int64_t /*nb*/, float* /*scratch*/) {
-            const int64_t slots = kern.pairs ? (kb + 1) / 2 : kb;
+            const int64_t slots = internal::PanelSlots(kern, kb);
             return b.Block(k0) + ((col0 + n0) / nr) * nr * slots;
           });
 }

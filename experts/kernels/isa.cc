@@ -2,6 +2,8 @@
 #include "experts/kernels/isa.h"
 
 #include <c10/util/Exception.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <cstdlib>
@@ -9,7 +11,16 @@
 namespace moefit::experts::kernels {
 namespace {
 
-constexpr Isa kAll[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+// Linux keeps AMX's 8 KiB tile data out of a process's saved state until the
+// process asks for it (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); without
+// that, the first tile instruction kills the process. Asked once, for every
+// thread of the process; an older kernel or a sandbox that refuses it leaves
+// the CPU at avx512_bf16.
+bool TileStatePermitted() {
+  constexpr long kArchReqXcompPerm = 0x1023;
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
 
 // libgcc's CPU probe checks both CPUID and that the OS saves the wider
 // registers (XGETBV), so a flag here is usable, not only present.
@@ -21,12 +32,16 @@ Isa Detect() {
     return Isa::kAvx2;
   }
   if (!__builtin_cpu_supports("avx512bf16")) return Isa::kAvx512;
-  return Isa::kAvx512Bf16;
+  if (!(__builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16")) ||
+      !TileStatePermitted()) {
+    return Isa::kAvx512Bf16;
+  }
+  return Isa::kAmxBf16;
 }
 
 std::string KnownNames() {
   std::string names;
-  for (Isa isa : kAll) {
+  for (Isa isa : kAllIsas) {
     if (!names.empty()) names += ", ";
     names += IsaName(isa);
   }
@@ -37,7 +52,7 @@ std::string KnownNames() {
 Isa FromEnvironment(Isa detected) {
   const char* value = std::getenv("MOEFIT_CPU_ISA");
   if (value == nullptr || value[0] == '\0') return detected;
-  for (Isa isa : kAll) {
+  for (Isa isa : kAllIsas) {
     if (IsaName(isa) == value) {
       TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(detected), "MOEFIT_CPU_ISA=", value,
                   ": this CPU supports at most ", IsaName(detected), " (", CpuFlags(), ")");
@@ -62,6 +77,8 @@ std::string_view IsaName(Isa isa) {
       return "avx512";
     case Isa::kAvx512Bf16:
       return "avx512_bf16";
+    case Isa::kAmxBf16:
+      return "amx_bf16";
   }
   return "?";
 }
@@ -98,7 +115,9 @@ std::string CpuFlags() {
   add(__builtin_cpu_supports("avx512bw"), "avx512bw");
   add(__builtin_cpu_supports("avx512vl"), "avx512vl");
   add(__builtin_cpu_supports("avx512bf16"), "avx512_bf16");
-  flags += __builtin_cpu_supports("amx-bf16") ? " amx_bf16" : " (no amx)";
+  flags += __builtin_cpu_supports("amx-bf16")
+               ? (DetectIsa() == Isa::kAmxBf16 ? " amx_bf16" : " amx_bf16 (refused by the OS)")
+               : " (no amx)";
   return flags;
 }
 

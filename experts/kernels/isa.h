@@ -13,9 +13,11 @@
 //   avx512_bf16  AVX-512 BF16: bfloat16 weights multiplied with vdpbf16ps
 //                (two bfloat16 products summed into fp32 per lane), the
 //                activations rounded to bfloat16 for it
-//
-// AMX is not used: no kernel for it exists yet, and a CPU with AMX runs the
-// avx512_bf16 kernels.
+//   amx_bf16     AMX-BF16 tiles (Sapphire Rapids and later): bfloat16 weights
+//                multiplied 16 x 16 x 32 at a time with tdpbf16ps, the
+//                activations rounded to bfloat16 as for avx512_bf16; float32
+//                products still run the avx512 kernels. Needs the kernel's
+//                permission for the tile state (Linux 5.16+), asked once.
 #pragma once
 
 #include <string>
@@ -23,9 +25,17 @@
 
 namespace moefit::experts::kernels {
 
-enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf16 = 4 };
 
-// "portable", "avx2", "avx512", "avx512_bf16".
+// Every set, narrowest first.
+inline constexpr Isa kAllIsas[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16,
+                                   Isa::kAmxBf16};
+
+// Whether `isa` multiplies bfloat16 or FP8 weights in bfloat16 (rounding the
+// activations to bfloat16) rather than converting both to float32.
+inline bool MultipliesInBf16(Isa isa) { return isa >= Isa::kAvx512Bf16; }
+
+// "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
 std::string_view IsaName(Isa isa);
 
 // The widest set this CPU and OS support.
@@ -42,7 +52,7 @@ Isa ActiveIsa();
 void LimitIsa(Isa isa);
 
 // The CPU's vector flags relevant here, e.g. "avx2 fma avx512f avx512bw
-// avx512vl avx512_bf16 (no amx)", for logs and benchmark reports.
+// avx512vl avx512_bf16 amx_bf16", for logs and benchmark reports.
 std::string CpuFlags();
 
 }  // namespace moefit::experts::kernels

@@ -15,6 +15,7 @@ const internal::PackedKernels& Float32Kernels(Isa isa) {
   TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "SiluMul: ", IsaName(isa),
               " kernels cannot run on this CPU (", CpuFlags(), ")");
   switch (isa) {
+    case Isa::kAmxBf16:
     case Isa::kAvx512Bf16:
       return internal::Avx512Bf16PairKernels();
     case Isa::kAvx512:

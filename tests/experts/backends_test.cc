@@ -466,7 +466,7 @@ TEST(GroupedKernels, EveryInstructionSetMatchesEager) {
       {"odd", 70, 45, 37, 5, 2, RoutingPattern::kSkewed},
       {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
   };
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kernels::kAllIsas) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     kernels::LimitIsa(isa);
     for (const ExpertProblemShape& shape : shapes) {
@@ -507,7 +507,7 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
   // 16 experts, top-2 of 40 tokens, skewed: a few hot experts, many with a
   // handful of rows.
   const ExpertProblemShape shape{"mixed", 40, 72, 40, 16, 2, RoutingPattern::kSkewed};
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmxBf16}) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     kernels::LimitIsa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -559,7 +559,7 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
 TEST(GroupedKernels, PackedWeightsFollowEveryWeightChange) {
   using kernels::Isa;
   const ExpertProblemShape shape{"mixed", 60, 45, 37, 6, 2, RoutingPattern::kSkewed};
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kernels::kAllIsas) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     kernels::LimitIsa(isa);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
@@ -652,7 +652,7 @@ TEST(GroupedKernels, FusedSwiGluMatchesTheScalarTwin) {
       {"fp8_aligned", 40, 130, 256, 3, 2, RoutingPattern::kUniform},
       {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
   };
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : kernels::kAllIsas) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     kernels::LimitIsa(isa);
     const bool exact = isa == Isa::kPortable;
@@ -716,7 +716,7 @@ TEST(SwiGluKernels, VectorMatchesScalarElementwise) {
   const at::Tensor h_scale = g.abs() * u.abs() + 1e-30;
   const std::vector<at::Tensor> scales = {h_scale, h_scale, dh.abs() * u.abs() * (1 + g.abs()),
                                           dh.abs() * g.abs() + 1e-30};
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16}) {
+  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmxBf16}) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     const std::vector<at::Tensor> got = run(isa);
     for (size_t i = 0; i < got.size(); ++i) {
@@ -736,7 +736,7 @@ TEST(GroupedKernels, Fp8FrozenWeightsMatchEager) {
       {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
       {"tiny", 1, 8, 4, 3, 1, RoutingPattern::kUniform},
   };
-  const bool rounds = kernels::ActiveIsa() == kernels::Isa::kAvx512Bf16;
+  const bool rounds = kernels::MultipliesInBf16(kernels::ActiveIsa());
   for (const ExpertProblemShape& shape : shapes) {
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       for (bool with_lora : {false, true}) {
@@ -750,7 +750,7 @@ TEST(GroupedKernels, Fp8FrozenWeightsMatchEager) {
         at::Tensor act_ref, act_fast;
         at::Tensor y_ref = ref->Forward(p.x, p.counts, w, &act_ref);
         at::Tensor y_fast = fast->Forward(p.x, p.counts, w, &act_fast);
-        // float32 activations on avx512_bf16 are rounded to bfloat16 for
+        // float32 activations on avx512_bf16 and amx_bf16 are rounded to bfloat16 for
         // vdpbf16ps (and FP8 x scale too), while eager stays in float32.
         const double tol = dtype == at::kBFloat16 ? 3e-2 : rounds ? 2e-2 : 1e-5;
         EXPECT_LT(RelErr(y_fast, y_ref), tol) << what;

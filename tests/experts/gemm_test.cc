@@ -17,8 +17,6 @@
 namespace moefit::experts::kernels {
 namespace {
 
-constexpr Isa kAllIsas[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
-
 // Storage for one operand: a [rows, cols] matrix stored row-major or
 // transposed, in `type`, with FP8 block scales.
 struct Stored {
@@ -83,7 +81,7 @@ std::string Describe(Isa isa, const Case& c) {
 // Runs one case and checks every element of C against the float64 sum over
 // the operands' exact values, within a bound proportional to sum |a·b|:
 // float32 rounding, plus, where the kernels round operands to bfloat16
-// (avx512_bf16 with a narrow operand), two bfloat16 roundings per product.
+// (avx512_bf16 and amx_bf16 with a narrow operand), two bfloat16 roundings per product.
 void Check(Isa isa, const Case& c, uint64_t seed) {
   SCOPED_TRACE(Describe(isa, c));
   Stored a = MakeOperand(c.m, c.k, c.a_type, c.a_transposed, seed);
@@ -93,7 +91,7 @@ void Check(Isa isa, const Case& c, uint64_t seed) {
   Gemm(isa, c.m, c.n, c.k, a.op, b.op, Output{out.data_ptr(), c.out_type, c.n}, c.accumulate);
 
   const bool rounds_operands =
-      isa == Isa::kAvx512Bf16 && (c.a_type != ElemType::kF32 || c.b_type != ElemType::kF32);
+      MultipliesInBf16(isa) && (c.a_type != ElemType::kF32 || c.b_type != ElemType::kF32);
   const bool exact_bf16 = c.a_type == ElemType::kBF16 && c.b_type == ElemType::kBF16;
   const double operand_rel = rounds_operands && !exact_bf16 ? 2.0 * std::ldexp(1.0, -8) : 0.0;
   const double out_rel = c.out_type == ElemType::kBF16 ? std::ldexp(1.0, -8) : 0.0;
@@ -292,7 +290,7 @@ TEST(Isa, LimitHoldsTheKernelsNarrower) {
   const Isa before = ActiveIsa();
   LimitIsa(Isa::kPortable);
   EXPECT_EQ(ActiveIsa(), Isa::kPortable);
-  LimitIsa(Isa::kAvx512Bf16);  // clamped to what the CPU has
+  LimitIsa(Isa::kAmxBf16);  // clamped to what the CPU has
   EXPECT_EQ(ActiveIsa(), before);
   EXPECT_FALSE(CpuFlags().empty());
 }

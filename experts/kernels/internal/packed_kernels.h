@@ -8,7 +8,10 @@
 //   float32 mode:  A panel [kb][mr] floats,        B panel [kb][nr] floats
 //   pairs mode:    A panel [kp][mr] bf16 pairs,    B panel [kp][nr] bf16 pairs
 // with kp = ceil(kb / 2), a pair being (k even, k odd) in one 32-bit word, as
-// vdpbf16ps reads them. Rows of A beyond the block and columns of B beyond it
+// vdpbf16ps reads them. A kernel may round kp up to a multiple of its
+// k_pad_pairs (AMX: 16, a whole tile), the pairs past the block zero, and
+// lay its A panel out otherwise within the same size (AMX: [kp / 16][mr][16]
+// pairs, each tile row contiguous). Rows of A beyond the block and columns of B beyond it
 // are zero, so the microkernel always runs full panels and only its stores
 // are partial.
 //
@@ -47,11 +50,26 @@ struct PackedKernels {
   void (*silu_mul)(const float* g, const float* u, float* h, int64_t n);
   void (*silu_mul_backward)(const float* g, const float* u, const float* dh, float* h, float* dg,
                             float* du, int64_t n);
+  // Pairs mode: panels hold their pairs rounded up to a multiple of this.
+  int k_pad_pairs = 1;
+  // Optional: run by the driver on its thread before the first microkernel
+  // of a call and after the last (AMX: load the tile configuration, release
+  // the tiles).
+  void (*begin)() = nullptr;
+  void (*end)() = nullptr;
 };
+
+// Floats (4-byte slots) per row or column of a panel over a k block of kb.
+inline int64_t PanelSlots(const PackedKernels& kern, int64_t kb) {
+  if (!kern.pairs) return kb;
+  const int64_t kp = (kb + 1) / 2;
+  return (kp + kern.k_pad_pairs - 1) / kern.k_pad_pairs * kern.k_pad_pairs;
+}
 
 const PackedKernels& PortableF32Kernels();
 const PackedKernels& Avx2F32Kernels();
 const PackedKernels& Avx512F32Kernels();
 const PackedKernels& Avx512Bf16PairKernels();
+const PackedKernels& AmxBf16Kernels();
 
 }  // namespace moefit::experts::kernels::internal

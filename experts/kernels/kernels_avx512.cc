@@ -51,7 +51,7 @@ const PackedKernels& Avx512F32Kernels() {
                                /*nb=*/2048,
                                /*mb=*/96,
                                /*pairs=*/false,
-                               &PackAGeneric<kMr, false>,
+                               &PackAF32<kMr>,
                                &PackBF32<kNr>,
                                &Micro,
                                &SmallRowsUpTo8,

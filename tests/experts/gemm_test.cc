@@ -295,6 +295,21 @@ TEST(Isa, LimitHoldsTheKernelsNarrower) {
   EXPECT_FALSE(CpuFlags().empty());
 }
 
+// A CPU with AMX-BF16 runs the amx_bf16 kernels unless the operating system
+// refuses the tile state, which CpuFlags() then says; one without never does.
+TEST(Isa, AmxWhereTheCpuAndTheOsAllowIt) {
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("amx-bf16")) {
+    EXPECT_NE(DetectIsa(), Isa::kAmxBf16);
+    GTEST_SKIP() << "no AMX on this CPU (" << CpuFlags() << ")";
+  }
+  if (DetectIsa() != Isa::kAmxBf16) {
+    EXPECT_NE(CpuFlags().find("refused by the OS"), std::string::npos) << CpuFlags();
+  } else {
+    EXPECT_NE(CpuFlags().find("amx_bf16"), std::string::npos) << CpuFlags();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(All, GemmOnIsa, ::testing::ValuesIn(kAllIsas),
                          [](const ::testing::TestParamInfo<Isa>& info) {
                            return std::string(IsaName(info.param));

@@ -210,17 +210,38 @@ void SiluMulBackward(const at::Tensor& gate_up, const at::Tensor& dh, const at::
   }
 }
 
-// s·(in·m) in m's dtype (the adapters'), `in` upcast to it: the [n, r] low-rank
-// intermediates of a LoRA branch and their gradients. Always a fresh tensor,
-// so that a recomputed value is bitwise the value first computed.
-at::Tensor ScaledMm(const at::Tensor& in, const at::Tensor& m, double s) {
-  return at::mm(in.to(m.scalar_type()), m).mul_(s);
+// The LoRA products run on the float32 kernels (the active set, held to at
+// most avx512): the adapters are float32 and are not rounded to bfloat16 as
+// the bfloat16 kernels would round them; bfloat16 activations are converted
+// exactly as they are packed, so no upcast copy is made.
+kernels::Isa Float32Isa() { return std::min(kernels::ActiveIsa(), kernels::Isa::kAvx512); }
+
+// Whether a LoRA product of these operands runs on the float32 kernels
+// (float64, the gradient checks, takes LibTorch's mm).
+bool LoraOnKernels(const at::Tensor& in, const at::Tensor& m) {
+  return OnKernels(in) && m.scalar_type() == at::kFloat;
 }
 
-// out += u·m with u and m in the adapters' dtype: fused into one addmm when out
-// has that dtype too, otherwise summed in it and rounded once to out's dtype.
-void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m) {
-  if (out.scalar_type() == m.scalar_type()) {
+// s·(in·m) in m's dtype (the adapters'), `in` read as that dtype: the [n, r]
+// low-rank intermediates of a LoRA branch and their gradients. Always a fresh
+// tensor, so that a recomputed value is bitwise the value first computed;
+// `path` is the expert's (ExpertPaths), so a row's value does not depend on
+// its tile.
+at::Tensor ScaledMm(const at::Tensor& in, const at::Tensor& m, double s, kernels::RowPath path) {
+  if (!LoraOnKernels(in, m)) return at::mm(in.to(m.scalar_type()), m).mul_(s);
+  at::Tensor out = at::empty({in.size(0), m.size(1)}, m.options());
+  kernels::Gemm(Float32Isa(), in.size(0), m.size(1), in.size(1), MatrixOp(in), MatrixOp(m),
+                OutputOp(out), /*accumulate=*/false, path);
+  return out.mul_(s);
+}
+
+// out += u·m with u and m in the adapters' dtype, summed in float32 and
+// rounded once to out's dtype.
+void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m, kernels::RowPath path) {
+  if (LoraOnKernels(u, m) && out.scalar_type() != at::kDouble) {
+    kernels::Gemm(Float32Isa(), u.size(0), m.size(1), u.size(1), MatrixOp(u), MatrixOp(m),
+                  OutputOp(out), /*accumulate=*/true, path);
+  } else if (out.scalar_type() == m.scalar_type()) {
     out.addmm_(u, m);
   } else {
     out.add_(at::mm(u, m));
@@ -234,8 +255,8 @@ at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, 
                       kernels::RowPath path, const Packs* packs) {
   WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path, packs);
   if (!w.lora.has_gate_up()) return {};
-  at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling);
-  AddMm(gu_t, u, w.lora.gate_up_b[e].t());
+  at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling, path);
+  AddMm(gu_t, u, w.lora.gate_up_b[e].t(), path);
   return u;
 }
 
@@ -339,9 +360,19 @@ void BaseGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
 }
 
 // out (zero on entry) += Σ over segments of a_segᵀ · b_seg in out's dtype (the
-// adapters'), upcasting a and b in chunks of rows to bound the temporaries.
+// adapters'), on the float32 kernels (a and b read as float32 as they are
+// packed); float64 upcasts in chunks of rows to bound the temporaries.
 void LoraGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
               const std::vector<Tile>& segments) {
+  if (LoraOnKernels(a, out)) {
+    for (const Tile& seg : segments) {
+      kernels::Gemm(Float32Isa(), out.size(0), out.size(1), seg.size,
+                    MatrixOp(a.narrow(0, seg.begin, seg.size), /*transposed=*/true),
+                    MatrixOp(b.narrow(0, seg.begin, seg.size)), OutputOp(out),
+                    /*accumulate=*/true, kernels::RowPath::kBlocked);
+    }
+    return;
+  }
   constexpr int64_t kChunkRows = 1024;
   const at::ScalarType dtype = out.scalar_type();
   for (const Tile& seg : segments) {
@@ -392,7 +423,8 @@ class GroupedBackend final : public ExpertBackend {
       WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e],
                down_packs.get());
       if (lora.has_down()) {
-        AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling), lora.down_b[e].t());
+        AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling, paths[e]), lora.down_b[e].t(),
+              paths[e]);
       }
     });
     if (activations != nullptr) *activations = gate_up;
@@ -480,14 +512,15 @@ class GroupedBackend final : public ExpertBackend {
         }
         if (lora_gu) u_gu.narrow(0, tile.begin, tile.size).copy_(u);
       } else if (lora_gu) {
-        u_gu.narrow(0, tile.begin, tile.size).copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale));
+        u_gu.narrow(0, tile.begin, tile.size)
+            .copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale, paths[e]));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
       WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e],
                down_packs.get());
       if (lora_down) {
-        at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale);
-        AddMm(dh_t, du, lora.down_a[e]);
+        at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale, paths[e]);
+        AddMm(dh_t, du, lora.down_a[e], paths[e]);
         du_down.narrow(0, tile.begin, tile.size).copy_(du);
       }
       at::Tensor h_t = rows_of(h, inter);
@@ -501,14 +534,15 @@ class GroupedBackend final : public ExpertBackend {
                                        [&] { SiluMulBackward<scalar_t>(gu_t, dh_t, h_t, dgu_t); });
       }
       if (lora_down) {
-        u_down.narrow(0, tile.begin, tile.size).copy_(ScaledMm(h_t, lora.down_a[e].t(), scale));
+        u_down.narrow(0, tile.begin, tile.size)
+            .copy_(ScaledMm(h_t, lora.down_a[e].t(), scale, paths[e]));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
       WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e],
                gate_up_packs.get());
       if (lora_gu) {
-        at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale);
-        AddMm(dx_t, du, lora.gate_up_a[e]);
+        at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale, paths[e]);
+        AddMm(dx_t, du, lora.gate_up_a[e], paths[e]);
         du_gu.narrow(0, tile.begin, tile.size).copy_(du);
       }
     });

@@ -70,7 +70,7 @@ const PackedKernels& Avx2F32Kernels() {
                                /*nb=*/2048,
                                /*mb=*/96,
                                /*pairs=*/false,
-                               &PackAGeneric<kMr, false>,
+                               &PackAF32<kMr>,
                                &PackBF32<kNr>,
                                &Micro,
                                &SmallRowsUpTo8,

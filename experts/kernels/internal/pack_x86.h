@@ -215,34 +215,48 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
   });
 }
 
-#if MOEFIT_PACK_WIDTH == 16
-// The first rows (mask bits) of 16 consecutive elements of type T as float32,
-// the others zero.
+// The first `n` (< kVl) of kVl consecutive elements of type T as float32,
+// the others zero; and a store of a vector's first `n` lanes.
 template <ElemType T>
-inline VecF LoadMaskedF(const void* data, int64_t idx, __mmask16 mask) {
+inline VecF LoadFirstF(const void* data, int64_t idx, int n) {
+#if MOEFIT_PACK_WIDTH == 16
+  const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
   if constexpr (T == ElemType::kF32) {
     return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(data) + idx);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(data) + idx);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+#else
+  alignas(32) float buf[kVl] = {};
+  for (int i = 0; i < n; ++i) buf[i] = LoadAs<T>(data, idx + i);
+  return _mm256_load_ps(buf);
+#endif
 }
 
-// Float32 A panels of kMr <= 16 rows (packed_kernels.h) from float32 or
+inline void StoreFirstF(float* p, VecF v, int n) {
+#if MOEFIT_PACK_WIDTH == 16
+  _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << n) - 1), v);
+#else
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_maskstore_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane), v);
+#endif
+}
+
+// Float32 A panels of kMr < kVl rows (packed_kernels.h) from float32 or
 // bfloat16 A, vectorised for the two layouts the expert layer uses: row-major
-// (the activations: 16 x 16 blocks transposed in registers) and transposed
+// (the activations: kVl x kVl blocks transposed in registers) and transposed
 // (dYᵀ and xᵀ of the weight gradients: each k is a panel's rows in a run).
 // The same values as PackAGeneric, which takes every other case.
 template <int kMr>
 void PackAF32(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t k_size, void* out) {
-  static_assert(kMr <= kVl);
+  static_assert(kMr < kVl);
   if ((a.type != ElemType::kF32 && a.type != ElemType::kBF16) ||
       (a.col_stride != 1 && a.row_stride != 1)) {
     PackAGeneric<kMr, false>(a, m0, m_size, k0, k_size, out);
     return;
   }
   const int64_t panels = (m_size + kMr - 1) / kMr;
-  const __mmask16 panel_lanes = static_cast<__mmask16>((1u << kMr) - 1);
   DispatchType(a.type, [&]<ElemType T>() {
     if constexpr (T != ElemType::kF8E4M3) {
       for (int64_t p = 0; p < panels; ++p) {
@@ -250,11 +264,9 @@ void PackAF32(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t 
         const int64_t row0 = m0 + p * kMr;
         const int rows = static_cast<int>(MinI(kMr, m_size - p * kMr));
         if (a.col_stride != 1) {  // transposed: column k holds the rows in a run
-          const __mmask16 row_lanes = static_cast<__mmask16>((1u << rows) - 1);
           for (int64_t k = 0; k < k_size; ++k) {
-            _mm512_mask_storeu_ps(
-                o + k * kMr, panel_lanes,
-                LoadMaskedF<T>(a.data, (k0 + k) * a.col_stride + row0, row_lanes));
+            StoreFirstF(o + k * kMr, LoadFirstF<T>(a.data, (k0 + k) * a.col_stride + row0, rows),
+                        kMr);
           }
           continue;
         }
@@ -265,7 +277,7 @@ void PackAF32(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t 
             r[i] = i < rows ? LoadF<T>(a.data, (row0 + i) * a.row_stride + k0 + k) : ZeroF();
           }
           Transpose(r);
-          for (int t = 0; t < kVl; ++t) _mm512_mask_storeu_ps(o + (k + t) * kMr, panel_lanes, r[t]);
+          for (int t = 0; t < kVl; ++t) StoreFirstF(o + (k + t) * kMr, r[t], kMr);
         }
         for (; k < k_size; ++k) {
           for (int i = 0; i < kMr; ++i) {
@@ -277,7 +289,6 @@ void PackAF32(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t 
     }
   });
 }
-#endif
 
 // Writes v into C[i, j] (float32 or bfloat16), adding to C when accumulating.
 inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumulate) {

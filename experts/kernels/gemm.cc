@@ -36,20 +36,7 @@ int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemTyp
 constexpr int64_t kSmallBlockColumns = 512;
 
 const PackedKernels& Select(Isa isa, const Operand& a, const Operand& b) {
-  const bool narrow = a.type != ElemType::kF32 || b.type != ElemType::kF32;
-  switch (isa) {
-    case Isa::kAmxBf16:
-      return narrow ? internal::AmxBf16Kernels() : internal::Avx512F32Kernels();
-    case Isa::kAvx512Bf16:
-      return narrow ? internal::Avx512Bf16PairKernels() : internal::Avx512F32Kernels();
-    case Isa::kAvx512:
-      return internal::Avx512F32Kernels();
-    case Isa::kAvx2:
-      return internal::Avx2F32Kernels();
-    case Isa::kPortable:
-      break;
-  }
-  return internal::PortableF32Kernels();
+  return internal::KernelsFor(isa, a.type != ElemType::kF32 || b.type != ElemType::kF32);
 }
 
 // Per-thread scratch, grown to the largest call seen and kept: the expert
@@ -309,4 +296,23 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
           });
 }
 
+namespace internal {
+
+const PackedKernels& KernelsFor(Isa isa, bool narrow) {
+  switch (isa) {
+    case Isa::kAmxBf16:
+      return narrow ? AmxBf16Kernels() : Avx512F32Kernels();
+    case Isa::kAvx512Bf16:
+      return narrow ? Avx512Bf16PairKernels() : Avx512F32Kernels();
+    case Isa::kAvx512:
+      return Avx512F32Kernels();
+    case Isa::kAvx2:
+      return Avx2F32Kernels();
+    case Isa::kPortable:
+      break;
+  }
+  return PortableF32Kernels();
+}
+
+}  // namespace internal
 }  // namespace moefit::experts::kernels

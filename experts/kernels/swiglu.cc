@@ -11,21 +11,11 @@
 namespace moefit::experts::kernels {
 namespace {
 
+// The float32 kernels of `isa` (each set's tables carry SwiGLU's activation).
 const internal::PackedKernels& Float32Kernels(Isa isa) {
   TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "SiluMul: ", IsaName(isa),
               " kernels cannot run on this CPU (", CpuFlags(), ")");
-  switch (isa) {
-    case Isa::kAmxBf16:
-    case Isa::kAvx512Bf16:
-      return internal::Avx512Bf16PairKernels();
-    case Isa::kAvx512:
-      return internal::Avx512F32Kernels();
-    case Isa::kAvx2:
-      return internal::Avx2F32Kernels();
-    case Isa::kPortable:
-      break;
-  }
-  return internal::PortableF32Kernels();
+  return internal::KernelsFor(isa, /*narrow=*/false);
 }
 
 // Row i of `r` as float32: the row itself, or converted into `buf`.

@@ -72,4 +72,8 @@ const PackedKernels& Avx512F32Kernels();
 const PackedKernels& Avx512Bf16PairKernels();
 const PackedKernels& AmxBf16Kernels();
 
+// The kernels `isa` multiplies with: its bfloat16-pairs kernels when
+// `narrow` (a bfloat16 or FP8 operand) and it has them, else its float32 ones.
+const PackedKernels& KernelsFor(Isa isa, bool narrow);
+
 }  // namespace moefit::experts::kernels::internal

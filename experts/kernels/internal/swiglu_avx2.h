@@ -3,13 +3,15 @@
 // linkage (see packed_kernels.h). exp is Cephes' single-precision
 // polynomial (range reduction by ln 2 in two parts, degree-5 polynomial,
 // exponent bits added back): a few units in the last place of expf over
-// the clamped range; the remainder of each row takes the scalar loop.
+// the clamped range; the remainder of each row takes the scalar loops
+// (swiglu_scalar.h).
 #pragma once
 
 #include <immintrin.h>
 
-#include <cmath>
 #include <cstdint>
+
+#include "experts/kernels/internal/swiglu_scalar.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {
@@ -48,10 +50,7 @@ void SiluMulAvx2(const float* g, const float* u, float* h, int64_t n) {
     const __m256 act = _mm256_mul_ps(gv, SigmoidAvx2(gv));
     _mm256_storeu_ps(h + j, _mm256_mul_ps(act, _mm256_loadu_ps(u + j)));
   }
-  for (; j < n; ++j) {
-    const float s = 1.0f / (1.0f + std::exp(-g[j]));
-    h[j] = g[j] * s * u[j];
-  }
+  SiluMulScalar(g + j, u + j, h + j, n - j);
 }
 
 void SiluMulBackwardAvx2(const float* g, const float* u, const float* dh, float* h, float* dg,
@@ -68,13 +67,7 @@ void SiluMulBackwardAvx2(const float* g, const float* u, const float* dh, float*
     _mm256_storeu_ps(dg + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(d, uv), s), slope));
     _mm256_storeu_ps(du + j, _mm256_mul_ps(d, act));
   }
-  for (; j < n; ++j) {
-    const float s = 1.0f / (1.0f + std::exp(-g[j]));
-    const float act = g[j] * s;
-    h[j] = act * u[j];
-    dg[j] = dh[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
-    du[j] = dh[j] * act;
-  }
+  SiluMulBackwardScalar(g + j, u + j, dh + j, h + j, dg + j, du + j, n - j);
 }
 
 }  // namespace

@@ -42,10 +42,7 @@ const kernels::PackedB& PackedWeightCache::Packs::Get(int64_t e) const {
   Slot& slot = slots_[e];
   std::call_once(slot.once, [&] {
     kernels::Operand op = first_;
-    const int64_t bytes = first_.type == kernels::ElemType::kF32    ? 4
-                          : first_.type == kernels::ElemType::kBF16 ? 2
-                                                                    : 1;
-    op.data = static_cast<const char*>(first_.data) + e * expert_stride_ * bytes;
+    op.data = static_cast<const char*>(first_.data) + e * expert_stride_bytes_;
     if (op.scales != nullptr) op.scales = first_.scales + e * scale_expert_stride_;
     slot.pack = kernels::PackedB(isa_, a_type_, k_size_, n_, op);
   });
@@ -118,12 +115,12 @@ std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
   const int64_t experts = w.size(0);
   const int64_t k_size = transposed ? w.size(2) : w.size(1);
   const int64_t n = transposed ? w.size(1) : w.size(2);
-  const int64_t bytes =
-      experts * kernels::PackedB::Bytes(isa, a_type, k_size, n, WeightType(w.scalar_type()));
   if (!seen) {
     entries_.push_back(Record(w, scale, transposed, isa, a_type));
     return nullptr;
   }
+  const int64_t bytes =
+      experts * kernels::PackedB::Bytes(isa, a_type, k_size, n, WeightType(w.scalar_type()));
   if (bytes_ + bytes > max_bytes_) {
     // Room from entries whose weights changed or were freed; valid ones
     // stay (dropping them would only move the packing elsewhere).
@@ -143,7 +140,7 @@ std::shared_ptr<const PackedWeightCache::Packs> PackedWeightCache::Lookup(
   op.type = WeightType(w.scalar_type());
   op.row_stride = transposed ? w.stride(2) : w.stride(1);
   op.col_stride = transposed ? w.stride(1) : w.stride(2);
-  packs->expert_stride_ = w.stride(0);
+  packs->expert_stride_bytes_ = w.stride(0) * static_cast<int64_t>(w.element_size());
   if (op.type == kernels::ElemType::kF8E4M3) {
     TORCH_CHECK(scale.defined() && scale.scalar_type() == at::kFloat && scale.dim() == 3,
                 "FP8 expert weights need float32 block scales [E, rows/128, cols/128]");

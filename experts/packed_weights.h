@@ -62,11 +62,11 @@ class PackedWeightCache {
       std::once_flag once;
       kernels::PackedB pack;
     };
-    // Expert e's operand is `first` advanced by e * expert_stride elements
+    // Expert e's operand is `first` advanced by e * expert_stride_bytes bytes
     // (and its scales by e * scale_expert_stride): the weight is not held,
     // only read while a caller that holds it calls Get.
     kernels::Operand first_;
-    int64_t expert_stride_ = 0, scale_expert_stride_ = 0;
+    int64_t expert_stride_bytes_ = 0, scale_expert_stride_ = 0;
     int64_t k_size_ = 0, n_ = 0;
     kernels::Isa isa_ = kernels::Isa::kPortable;
     kernels::ElemType a_type_ = kernels::ElemType::kF32;

@@ -110,6 +110,7 @@ struct OverlappedGradSync::Impl {
     for (int64_t p : b.param_idx) presence.push_back(params[p].grad().defined() ? 1.0f : 0.0f);
     b.flat.narrow(0, b.presence_offset, static_cast<int64_t>(presence.size()))
         .copy_(at::tensor(presence, at::kFloat));
+    std::optional<c10::StreamGuard> on_side;
     if (side_stream.has_value()) {
       // The gradients were written on the current stream: the side stream
       // waits for them, then runs the all-reduce beside backward's kernels.
@@ -117,11 +118,9 @@ struct OverlappedGradSync::Impl {
       c10::Event written(side_stream->device_type());
       written.record(impl.getStream(side_stream->device()));
       written.block(*side_stream);
-      const c10::StreamGuard on_side(*side_stream);
-      b.work = comm->AllReduce(b.flat, ReduceOp::kSum);
-    } else {
-      b.work = comm->AllReduce(b.flat, ReduceOp::kSum);
+      on_side.emplace(*side_stream);
     }
+    b.work = comm->AllReduce(b.flat, ReduceOp::kSum);
   }
 
   // Posts, in bucket order, every bucket whose gradients are all in.

@@ -45,7 +45,7 @@ absl::StatusOr<int> ChooseGpu(const NodeRank& node, int num_gpus, const GpuChoic
         (node.local_size + num_gpus - 1) / num_gpus,
         " to share the GPUs, or parallel.device = cpu"));
   }
-  if (node.local_size <= num_gpus) return node.local_rank;
+  if (GpuPerProcess(node, num_gpus)) return node.local_rank;
   // Consecutive local ranks share a GPU, as evenly as the counts allow.
   return static_cast<int>(static_cast<int64_t>(node.local_rank) * num_gpus / node.local_size);
 }

@@ -41,16 +41,23 @@ TEST_F(HostAllocatorTest, SmallTensorsBypassTheCache) {
 
 TEST_F(HostAllocatorTest, TensorsKeepTheirValuesAcrossReuseAndSwitching) {
   at::Tensor keep = at::arange(4 << 20, at::kFloat);  // 16 MiB, made by the cache
-  { at::Tensor scratch = at::full({4 << 20}, 7.0f); }
+  const void* scratch_block = nullptr;
+  {
+    at::Tensor scratch = at::full({4 << 20}, 7.0f);
+    scratch_block = scratch.data_ptr();
+  }
   at::Tensor reuse = at::zeros({4 << 20}, at::kFloat);  // the scratch block, cleared
+  EXPECT_EQ(reuse.data_ptr(), scratch_block);
   EXPECT_EQ(reuse.abs().sum().item<double>(), 0.0);
   UseCachingHostAllocator(false);
   at::Tensor plain = at::arange(4 << 20, at::kFloat);
   EXPECT_TRUE(at::equal(keep, plain));
+  const void* keep_block = keep.data_ptr();
   keep = at::Tensor();  // freed into the cache after switching: still fine
   reuse = at::Tensor();
   UseCachingHostAllocator(true);
   at::Tensor again = at::ones({4 << 20}, at::kFloat);
+  EXPECT_TRUE(again.data_ptr() == keep_block || again.data_ptr() == scratch_block);
   EXPECT_EQ(again.sum().item<double>(), static_cast<double>(4 << 20));
 }
 

@@ -58,8 +58,8 @@ std::vector<at::Tensor> Reference(int rank, c10::Device device) {
   std::vector<at::Tensor> p = MakeParams(device);
   Backward(p, rank, 0, false);
   Backward(p, rank, 1, true);
-  for (int i : {kRank0Only}) {
-    if (!p[i].grad().defined()) p[i].mutable_grad() = at::zeros_like(p[i]);
+  if (!p[kRank0Only].grad().defined()) {
+    p[kRank0Only].mutable_grad() = at::zeros_like(p[kRank0Only]);
   }
   std::vector<at::Tensor> grads;
   for (const at::Tensor& t : p) grads.push_back(t.grad());

@@ -3,6 +3,8 @@
 // float32 accumulator tiles (C), two 16-row tiles of A and two 16-pair tiles
 // of B: each tdpbf16ps multiplies a 16 x 32 bfloat16 tile of A by a 32 x 16
 // one of B into a C tile, 16 x 16 x 32 multiply-adds in one instruction.
+// A block of at most 16 rows (a few tokens of an expert) or 16 columns runs
+// only the tiles it fills.
 // Used, like the avx512_bf16 kernels, when B (the weight) is bfloat16 or FP8:
 // A is rounded to bfloat16 (round to nearest even) as it is packed, FP8 x
 // scale too. The tile unit treats bfloat16 subnormals as zero and rounds
@@ -166,50 +168,70 @@ void PackA(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t k_s
   });
 }
 
-void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
-           int rows, int cols, bool accumulate) {
-  const int64_t chunks = ((k_size + 1) / 2 + kTilePairs - 1) / kTilePairs;
-  const char* ap = static_cast<const char*>(a_panel);
-  const char* bp = static_cast<const char*>(b_panel);
-  const bool whole = rows == kMr && cols == kNr;
+// C tiles 0 and 1 hold rows 0-15 (columns 0-15 and 16-31), 2 and 3 rows
+// 16-31. A block of at most 16 rows or 16 columns (a few tokens of an expert,
+// the last panel of an odd size) runs only the tiles it has: kRowTiles x
+// kColTiles of the four, so it pays no multiplies by padding.
+template <int kRowTiles, int kColTiles>
+void MicroTiles(int64_t chunks, const char* ap, const char* bp, float* c, int64_t ldc, int rows,
+                int cols, bool accumulate) {
+  const bool whole = rows == 16 * kRowTiles && cols == 16 * kColTiles;
   const int64_t ldc_bytes = ldc * static_cast<int64_t>(sizeof(float));
   if (whole && accumulate) {
     _tile_loadd(0, c, ldc_bytes);
-    _tile_loadd(1, c + 16, ldc_bytes);
-    _tile_loadd(2, c + 16 * ldc, ldc_bytes);
-    _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
+    if constexpr (kColTiles == 2) _tile_loadd(1, c + 16, ldc_bytes);
+    if constexpr (kRowTiles == 2) _tile_loadd(2, c + 16 * ldc, ldc_bytes);
+    if constexpr (kRowTiles == 2 && kColTiles == 2) _tile_loadd(3, c + 16 * ldc + 16, ldc_bytes);
   } else {
     _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if constexpr (kColTiles == 2) _tile_zero(1);
+    if constexpr (kRowTiles == 2) _tile_zero(2);
+    if constexpr (kRowTiles == 2 && kColTiles == 2) _tile_zero(3);
   }
   for (int64_t t = 0; t < chunks; ++t) {
     const char* a = ap + t * kAChunkBytes;
     const char* b = bp + t * kTilePairs * kBRowBytes;
     _tile_loadd(4, a, kTileRowBytes);
     _tile_loadd(6, b, kBRowBytes);
-    _tile_loadd(7, b + kTileRowBytes, kBRowBytes);
+    if constexpr (kColTiles == 2) _tile_loadd(7, b + kTileRowBytes, kBRowBytes);
     _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    _tile_loadd(5, a + 16 * kTileRowBytes, kTileRowBytes);
-    _tile_dpbf16ps(2, 5, 6);
-    _tile_dpbf16ps(3, 5, 7);
+    if constexpr (kColTiles == 2) _tile_dpbf16ps(1, 4, 7);
+    if constexpr (kRowTiles == 2) {
+      _tile_loadd(5, a + 16 * kTileRowBytes, kTileRowBytes);
+      _tile_dpbf16ps(2, 5, 6);
+      if constexpr (kColTiles == 2) _tile_dpbf16ps(3, 5, 7);
+    }
   }
   if (whole) {
     _tile_stored(0, c, ldc_bytes);
-    _tile_stored(1, c + 16, ldc_bytes);
-    _tile_stored(2, c + 16 * ldc, ldc_bytes);
-    _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
+    if constexpr (kColTiles == 2) _tile_stored(1, c + 16, ldc_bytes);
+    if constexpr (kRowTiles == 2) _tile_stored(2, c + 16 * ldc, ldc_bytes);
+    if constexpr (kRowTiles == 2 && kColTiles == 2) _tile_stored(3, c + 16 * ldc + 16, ldc_bytes);
     return;
   }
-  // A partial tile: through a buffer, then only its rows x cols.
+  // A partial block: through a buffer, then only its rows x cols.
   alignas(64) float buf[kMr * kNr];
   _tile_stored(0, buf, kBRowBytes);
-  _tile_stored(1, buf + 16, kBRowBytes);
-  _tile_stored(2, buf + 16 * kNr, kBRowBytes);
-  _tile_stored(3, buf + 16 * kNr + 16, kBRowBytes);
+  if constexpr (kColTiles == 2) _tile_stored(1, buf + 16, kBRowBytes);
+  if constexpr (kRowTiles == 2) _tile_stored(2, buf + 16 * kNr, kBRowBytes);
+  if constexpr (kRowTiles == 2 && kColTiles == 2) _tile_stored(3, buf + 16 * kNr + 16, kBRowBytes);
   StoreTile<kNr>(buf, c, ldc, rows, cols, accumulate);
+}
+
+void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
+           int rows, int cols, bool accumulate) {
+  const int64_t chunks = ((k_size + 1) / 2 + kTilePairs - 1) / kTilePairs;
+  const char* ap = static_cast<const char*>(a_panel);
+  const char* bp = static_cast<const char*>(b_panel);
+  if (rows > 16 && cols > 16) {
+    MicroTiles<2, 2>(chunks, ap, bp, c, ldc, rows, cols, accumulate);
+  } else if (rows > 16) {
+    MicroTiles<2, 1>(chunks, ap, bp, c, ldc, rows, cols, accumulate);
+  } else if (cols > 16) {
+    MicroTiles<1, 2>(chunks, ap, bp, c, ldc, rows, cols, accumulate);
+  } else {
+    MicroTiles<1, 1>(chunks, ap, bp, c, ldc, rows, cols, accumulate);
+  }
 }
 
 }  // namespace

@@ -159,6 +159,11 @@ TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
       {130, 70, 257, ElemType::kBF16, ElemType::kF8E4M3, true, false, ElemType::kBF16, false},
       {25, 33, 513, ElemType::kF32, ElemType::kF32, true, false, ElemType::kBF16, true},
       {12, 32, 2, ElemType::kF32, ElemType::kF32, false, false, ElemType::kF32, true},
+      // Whole and partial blocks of 16 rows or columns, added to C (the AMX
+      // kernels run only the tiles such a block has).
+      {16, 48, 100, ElemType::kF32, ElemType::kBF16, false, true, ElemType::kF32, true},
+      {48, 16, 70, ElemType::kBF16, ElemType::kBF16, false, false, ElemType::kF32, true},
+      {14, 40, 65, ElemType::kF32, ElemType::kF8E4M3, true, false, ElemType::kF32, true},
       // A few rows: B streamed unpacked (both B layouts, tails of k and n).
       {3, 200, 300, ElemType::kBF16, ElemType::kF8E4M3, false, false, ElemType::kBF16, true},
       {4, 70, 263, ElemType::kF32, ElemType::kF8E4M3, false, true, ElemType::kF32, false},

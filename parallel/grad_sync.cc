@@ -71,6 +71,9 @@ struct OverlappedGradSync::Impl {
     // gradient and 0 where not; after the sum, how many ranks had one.
     at::Tensor flat;
     int64_t presence_offset = 0;
+    // The presence elements on the host, float32: written before the
+    // all-reduce, read back after it.
+    at::Tensor presence;
     int64_t num_filled = 0;
     std::shared_ptr<Work> work;  // set once posted
   };
@@ -106,10 +109,11 @@ struct OverlappedGradSync::Impl {
 
   void Post(int64_t bucket_idx) {
     Bucket& b = buckets[bucket_idx];
-    std::vector<float> presence;
-    for (int64_t p : b.param_idx) presence.push_back(params[p].grad().defined() ? 1.0f : 0.0f);
-    b.flat.narrow(0, b.presence_offset, static_cast<int64_t>(presence.size()))
-        .copy_(at::tensor(presence, at::kFloat));
+    float* had = b.presence.data_ptr<float>();
+    for (size_t k = 0; k < b.param_idx.size(); ++k) {
+      had[k] = params[b.param_idx[k]].grad().defined() ? 1.0f : 0.0f;
+    }
+    b.flat.narrow(0, b.presence_offset, b.presence.numel()).copy_(b.presence);
     std::optional<c10::StreamGuard> on_side;
     if (side_stream.has_value()) {
       // The gradients were written on the current stream: the side stream
@@ -199,8 +203,10 @@ absl::StatusOr<std::unique_ptr<OverlappedGradSync>> OverlappedGradSync::Create(
     Impl::Bucket& bucket = impl->buckets[b];
     const at::Tensor& first = impl->params[bucket.param_idx.front()];
     bucket.presence_offset = bucket_numel[b];
-    bucket.flat = at::zeros({bucket_numel[b] + static_cast<int64_t>(bucket.param_idx.size())},
+    const int64_t n = static_cast<int64_t>(bucket.param_idx.size());
+    bucket.flat = at::zeros({bucket_numel[b] + n},
                             at::TensorOptions().dtype(first.scalar_type()).device(device));
+    bucket.presence = at::zeros({n}, at::kFloat);
   }
   impl->stats.num_buckets = static_cast<int64_t>(impl->buckets.size());
 
@@ -265,8 +271,8 @@ void OverlappedGradSync::Finish() {
   for (Impl::Bucket& b : s.buckets) b.work->WaitOrThrow();
   for (Impl::Bucket& b : s.buckets) {
     const int64_t n = static_cast<int64_t>(b.param_idx.size());
-    const at::Tensor presence = b.flat.narrow(0, b.presence_offset, n).to(at::kCPU, at::kFloat);
-    const float* had = presence.data_ptr<float>();
+    b.presence.copy_(b.flat.narrow(0, b.presence_offset, n));
+    const float* had = b.presence.data_ptr<float>();
     for (int64_t k = 0; k < n; ++k) {
       if (had[k] == 0) continue;  // no rank had a gradient: stays undefined
       at::Tensor& param = s.params[b.param_idx[k]];

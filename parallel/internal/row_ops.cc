@@ -15,24 +15,15 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Calls fn with a value of the C++ type of `t`.
+// Calls fn with a value of the C++ type of `t` (float32, float64, bfloat16).
 template <typename Fn>
 void WithType(at::ScalarType t, Fn&& fn) {
-  switch (t) {
-    case at::kFloat:
-      return fn(float{});
-    case at::kDouble:
-      return fn(double{});
-    case at::kBFloat16:
-      return fn(c10::BFloat16{});
-    default:
-      TORCH_CHECK(false, "rows must be float32, float64 or bfloat16, not ", t);
-  }
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, t, "row move", [&] { fn(scalar_t{}); });
 }
 
-// Float32 unless one side is float64.
+// What a row move sums in: float32, or float64 when either side is.
 at::ScalarType AccumulateType(at::ScalarType a, at::ScalarType b) {
-  return a == at::kDouble || b == at::kDouble ? at::kDouble : at::kFloat;
+  return at::promote_types(at::promote_types(a, b), at::kFloat);
 }
 
 // Rows [0, n) in parallel on LibTorch's intra-op threads (the ones its ops

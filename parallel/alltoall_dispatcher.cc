@@ -44,17 +44,9 @@ class AllToAllDispatcher final : public Dispatcher {
     route->recv_pairs.assign(recv_counts.data_ptr<int64_t>(),
                              recv_counts.data_ptr<int64_t>() + world);
 
-    // Token t's row to owner q is sent row home[t, q].
+    // Token t's row to owner q is sent row pair_of[t, q].
     const int64_t sent = routes.tokens.numel();
-    at::Tensor home = at::full({x.size(0), world}, -1, at::kLong);
-    {
-      int64_t* hp = home.data_ptr<int64_t>();
-      const int64_t* tp = routes.tokens.data_ptr<int64_t>();
-      for (int q = 0, i = 0; q < world; ++q) {
-        for (int64_t n = 0; n < routes.per_owner[q]; ++n, ++i) hp[tp[i] * world + q] = i;
-      }
-    }
-    route->home = internal::MakeRowRelation(home, sent);
+    route->home = internal::MakeRowRelation(routes.pair_of, sent);
 
     // The rows, their routing weights and their experts' local indices.
     at::Tensor rows =

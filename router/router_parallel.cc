@@ -49,7 +49,9 @@ OwnerRoutes RouterParallel::RouteByOwner(const at::Tensor& topk_idx) const {
   const int64_t pairs = ep_size_ == 0 ? 0 : next.back() + out.per_owner.back();
   out.tokens = at::empty({pairs}, at::kLong);
   out.local_expert = at::full({pairs, k}, -1, at::kLong);
+  out.pair_of = at::full({n, ep_size_}, -1, at::kLong);
   int64_t* tokens = out.tokens.data_ptr<int64_t>();
+  int64_t* pair_of = out.pair_of.data_ptr<int64_t>();
   int64_t* local = out.local_expert.data_ptr<int64_t>();
   std::fill(last.begin(), last.end(), -1);
   for (int64_t t = 0; t < n; ++t) {
@@ -60,6 +62,7 @@ OwnerRoutes RouterParallel::RouteByOwner(const at::Tensor& topk_idx) const {
         last[q] = t;
         row[q] = next[q]++;
         tokens[row[q]] = t;
+        pair_of[t * ep_size_ + q] = row[q];
       }
       local[row[q] * k + j] = owner_key % max_local_;
     }

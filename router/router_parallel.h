@@ -25,6 +25,9 @@ struct OwnerRoutes {
   at::Tensor local_expert;
   // [ep_size]: pairs per owner rank (sums to U).
   std::vector<int64_t> per_owner;
+  // [N, ep_size] int64: the pair of token t and owner q (its row in
+  // `tokens`), -1 where q owns none of t's experts.
+  at::Tensor pair_of;
 };
 
 class RouterParallel {

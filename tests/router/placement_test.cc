@@ -56,6 +56,7 @@ TEST(RouterParallel, RoutesEachTokenOncePerOwner) {
   EXPECT_TRUE(at::equal(r.tokens, at::tensor({0, 1, 2, 0, 2}, at::kLong)));
   EXPECT_TRUE(at::equal(r.local_expert,
                         at::tensor({-1, 0, 2, 0, 0, -1, 1, -1, -1, 1}, at::kLong).view({5, 2})));
+  EXPECT_TRUE(at::equal(r.pair_of, at::tensor({0, 3, 1, -1, 2, 4}, at::kLong).view({3, 2})));
   OwnerRoutes r1 = rank1.RouteByOwner(idx);  // the same on every rank
   EXPECT_TRUE(at::equal(r1.tokens, r.tokens));
   EXPECT_TRUE(at::equal(r1.local_expert, r.local_expert));

@@ -12,6 +12,7 @@ namespace {
 
 struct AllGatherRoute final : Route {
   at::Tensor assignment_idx;  // [R] global flat assignment of each local row
+  at::Tensor token_idx;       // [R] its token among all ranks' (assignment / k)
   at::Tensor weights;         // [N_all, k] all ranks' routing weights (autograd-tracked)
   std::vector<int64_t> tokens_per_rank;
 };
@@ -45,10 +46,11 @@ class AllGatherDispatcher final : public Dispatcher {
 
     auto route = std::make_unique<AllGatherRoute>();
     route->assignment_idx = mine.index_select(0, order);
+    route->token_idx = at::div(route->assignment_idx, k, "floor");
     route->weights = AllGatherRows(*ep_, topk_weight, tokens);
     route->tokens_per_rank = tokens;
     DispatchedRows out;
-    out.rows = x_all.index_select(0, at::div(route->assignment_idx, k, "floor"));
+    out.rows = x_all.index_select(0, route->token_idx);
     at::Tensor counts = at::bincount(mine_local, {}, num_local_);
     out.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_local_);
     out.sent_rows = x.size(0);
@@ -60,11 +62,9 @@ class AllGatherDispatcher final : public Dispatcher {
     ScopedPhase phase("combine");
     const auto& route = static_cast<const AllGatherRoute&>(r);
     const at::ScalarType dtype = at::promote_types(y.scalar_type(), at::kFloat);
-    const int64_t k = route.weights.size(1);
     at::Tensor weight = route.weights.reshape({-1}).index_select(0, route.assignment_idx).to(dtype);
     at::Tensor partial = at::zeros({route.weights.size(0), y.size(1)}, y.options().dtype(dtype))
-                             .index_add(0, at::div(route.assignment_idx, k, "floor"),
-                                        y.to(dtype) * weight.unsqueeze(1));
+                             .index_add(0, route.token_idx, y.to(dtype) * weight.unsqueeze(1));
     return SumKeepOwnRows(*ep_, partial, route.tokens_per_rank);
   }
 

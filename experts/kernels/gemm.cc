@@ -50,10 +50,8 @@ float* Grow(std::vector<float>& v, size_t n) {
   return v.data();
 }
 
-// c10's conversions: the reference the kernels' own (pack_common.h) are
+// c10's conversion: the reference the kernels' own (pack_common.h) are
 // tested against.
-uint16_t RoundToBf16(float f) { return c10::BFloat16(f).x; }
-
 float FromBf16(uint16_t b) {
   return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
 }
@@ -117,9 +115,7 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
       for (int64_t i = 0; i < m; ++i) {
         uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
         const float* src = cbuf + i * ldc;
-        for (int64_t j = 0; j < nb; ++j) {
-          out[j] = RoundToBf16(accumulate ? FromBf16(out[j]) + src[j] : src[j]);
-        }
+        kern.store_bf16(src, out, nb, accumulate);
       }
     }
   }

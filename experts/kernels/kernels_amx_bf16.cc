@@ -20,6 +20,7 @@
 #include <cstring>
 
 #define MOEFIT_PACK_WIDTH 16
+#include "experts/kernels/internal/bf16_rows_avx2.h"
 #include "experts/kernels/internal/pack_pairs_avx512.h"
 #include "experts/kernels/internal/packed_kernels.h"
 #include "experts/kernels/internal/swiglu_avx2.h"
@@ -250,6 +251,7 @@ const PackedKernels& AmxBf16Kernels() {
                                &SmallRowsUpTo8,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
+                               &StoreBf16RowAvx2,
                                /*k_pad_pairs=*/kTilePairs,
                                &BeginTiles,
                                &EndTiles};

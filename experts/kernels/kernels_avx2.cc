@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #define MOEFIT_PACK_WIDTH 8
+#include "experts/kernels/internal/bf16_rows_avx2.h"
 #include "experts/kernels/internal/pack_x86.h"
 #include "experts/kernels/internal/packed_kernels.h"
 #include "experts/kernels/internal/swiglu_avx2.h"
@@ -75,7 +76,8 @@ const PackedKernels& Avx2F32Kernels() {
                                &Micro,
                                &SmallRowsUpTo8,
                                &SiluMulAvx2,
-                               &SiluMulBackwardAvx2};
+                               &SiluMulBackwardAvx2,
+                               &StoreBf16RowAvx2};
   return k;
 }
 

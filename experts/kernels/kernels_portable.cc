@@ -49,7 +49,8 @@ const PackedKernels& PortableF32Kernels() {
                                &Micro,
                                nullptr,
                                &SiluMulScalar,
-                               &SiluMulBackwardScalar};
+                               &SiluMulBackwardScalar,
+                               &StoreBf16RowScalar};
   return k;
 }
 

@@ -38,10 +38,11 @@ float* Target(const Rows& r, int64_t i, int64_t n, std::vector<float>& buf) {
   return buf.data();
 }
 
-void Store(const Rows& r, int64_t i, int64_t n, const std::vector<float>& buf) {
+void Store(const internal::PackedKernels& kern, const Rows& r, int64_t i, int64_t n,
+           const std::vector<float>& buf) {
   if (r.type == ElemType::kF32) return;
-  uint16_t* dst = static_cast<uint16_t*>(r.data) + i * r.row_stride;
-  for (int64_t j = 0; j < n; ++j) dst[j] = c10::BFloat16(buf[j]).x;
+  kern.store_bf16(buf.data(), static_cast<uint16_t*>(r.data) + i * r.row_stride, n,
+                  /*accumulate=*/false);
 }
 
 // Per-thread conversion rows.
@@ -59,7 +60,7 @@ void SiluMul(Isa isa, int64_t m, int64_t n, const Rows& gate, const Rows& up, co
     const float* u = Load(up, i, n, b.u);
     float* out = Target(h, i, n, b.h);
     kern.silu_mul(g, u, out, n);
-    Store(h, i, n, b.h);
+    Store(kern, h, i, n, b.h);
   }
 }
 
@@ -75,9 +76,9 @@ void SiluMulBackward(Isa isa, int64_t m, int64_t n, const Rows& gate, const Rows
     float* dg = Target(d_gate, i, n, b.dg);
     float* du = Target(d_up, i, n, b.du);
     kern.silu_mul_backward(g, u, d, h_out, dg, du, n);
-    Store(h, i, n, b.h);
-    Store(d_gate, i, n, b.dg);
-    Store(d_up, i, n, b.du);
+    Store(kern, h, i, n, b.h);
+    Store(kern, d_gate, i, n, b.dg);
+    Store(kern, d_up, i, n, b.du);
   }
 }
 

@@ -5,10 +5,12 @@
 #include "experts/kernels/gemm.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -285,6 +287,60 @@ TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
           EXPECT_TRUE(std::isnan(out[v])) << IsaName(isa) << " byte " << v;
         } else {
           EXPECT_EQ(out[v], want) << IsaName(isa) << " byte " << v;
+        }
+      }
+    }
+  }
+}
+
+// A bfloat16 output is the float32 result rounded to nearest even, as c10
+// rounds, on every instruction set: halfway cases both ways, either sign,
+// overflow to infinity, subnormals, infinities and NaN (any NaN), written
+// afresh and added to what the output holds. C = A x ones(1, n), so each
+// row repeats one crafted value across a row longer than a vector.
+TEST(Gemm, Bfloat16OutputRoundsAsC10) {
+  const uint32_t bits[] = {0x00000000, 0x3f800000, 0x3f808000, 0x3f818000, 0x3f808001, 0x3f807fff,
+                           0xbf808000, 0xbf818000, 0x7f7fffff, 0x7f7f7fff, 0xff7fffff, 0x7f800000,
+                           0xff800000, 0x00000001, 0x00008000, 0x00018000, 0x007fffff, 0x80018000,
+                           0x7fc00000, 0xffc00000, 0x7f800001, 0x41c98000, 0xc2fe8000, 0x3dcccccd,
+                           0x4b7fffff, 0x387fc000, 0x477fe000, 0x47800000};
+  const int64_t n = 29;
+  std::vector<float> a(std::size(bits));
+  for (size_t i = 0; i < a.size(); ++i) std::memcpy(&a[i], &bits[i], 4);
+  const std::vector<float> ones(n, 1.0f);
+  const Operand a_op{a.data(), ElemType::kF32, 1, 1};
+  const Operand b_op{ones.data(), ElemType::kF32, n, 1};
+  auto c10_bits = [](float f) { return c10::BFloat16(f).x; };
+  auto from_bits = [](uint16_t b) {
+    return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
+  };
+  for (Isa isa : kAllIsas) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    // Streamed (the first 8 values) and blocked.
+    for (RowPath path : {RowPath::kStreamed, RowPath::kBlocked}) {
+      const int64_t m = path == RowPath::kStreamed ? 8 : std::ssize(bits);
+      std::vector<float> wide(m * n);
+      Gemm(isa, m, n, 1, a_op, b_op, Output{wide.data(), ElemType::kF32, n}, false, path);
+      std::vector<uint16_t> fresh(m * n), added(m * n);
+      for (int64_t i = 0; i < m * n; ++i)
+        added[i] = c10_bits(0.37f * static_cast<float>(i % 7) - 1);
+      const std::vector<uint16_t> before = added;
+      Gemm(isa, m, n, 1, a_op, b_op, Output{fresh.data(), ElemType::kBF16, n}, false, path);
+      Gemm(isa, m, n, 1, a_op, b_op, Output{added.data(), ElemType::kBF16, n}, true, path);
+      for (int64_t i = 0; i < m * n; ++i) {
+        const float v = wide[i];
+        const std::string where = std::string(IsaName(isa)) + " value " + std::to_string(i / n);
+        if (!std::isnan(a[i / n])) ASSERT_EQ(v, a[i / n]) << where;
+        const float sum = from_bits(before[i]) + v;
+        if (std::isnan(v)) {
+          EXPECT_TRUE(std::isnan(from_bits(fresh[i]))) << where;
+        } else {
+          EXPECT_EQ(fresh[i], c10_bits(v)) << where;
+        }
+        if (std::isnan(sum)) {
+          EXPECT_TRUE(std::isnan(from_bits(added[i]))) << where;
+        } else {
+          EXPECT_EQ(added[i], c10_bits(sum)) << where;
         }
       }
     }

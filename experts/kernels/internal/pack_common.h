@@ -36,6 +36,13 @@ inline uint16_t F32ToBf16(float f) {
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+// out[j] = bfloat16(src[j]), or bfloat16(out[j] + src[j]) when accumulating:
+// a float32 block's row written to a bfloat16 output.
+void StoreBf16RowScalar(const float* src, uint16_t* out, int64_t n, bool accumulate) {
+  for (int64_t j = 0; j < n; ++j)
+    out[j] = F32ToBf16(accumulate ? Bf16ToF32(out[j]) + src[j] : src[j]);
+}
+
 // float8_e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0
 // is subnormal (m / 8 * 2^-6). Exact. 0x7f / 0xff (NaN) read as NaN.
 inline float F8ToF32(uint8_t b) {

@@ -50,6 +50,9 @@ struct PackedKernels {
   void (*silu_mul)(const float* g, const float* u, float* h, int64_t n);
   void (*silu_mul_backward)(const float* g, const float* u, const float* dh, float* h, float* dg,
                             float* du, int64_t n);
+  // A float32 row written to a bfloat16 output (round to nearest even),
+  // added to it when accumulating: how the driver writes a bfloat16 C.
+  void (*store_bf16)(const float* src, uint16_t* out, int64_t n, bool accumulate);
   // Pairs mode: panels hold their pairs rounded up to a multiple of this.
   int k_pad_pairs = 1;
   // Optional: run by the driver on its thread before the first microkernel

@@ -1,6 +1,7 @@
 // AVX2 + FMA float32 kernels (compiled with -mavx2 -mfma -mf16c): a 6 x 16
 // microkernel (12 accumulators), bfloat16 and FP8 operands converted to
-// float32 as they are packed.
+// float32 as they are packed. A block of at most 8 columns multiplies only
+// the half of the B panel it has.
 #include <immintrin.h>
 
 #define MOEFIT_PACK_WIDTH 8
@@ -15,7 +16,7 @@ namespace {
 constexpr int kMr = 6;
 constexpr int kNr = 16;
 
-template <int kRows>
+template <int kRows, bool kWide>
 inline void MicroRows(int64_t k_size, const float* ap, const float* bp, float* c, int64_t ldc,
                       int cols, bool accumulate) {
   __m256 acc0[kRows], acc1[kRows];
@@ -23,13 +24,13 @@ inline void MicroRows(int64_t k_size, const float* ap, const float* bp, float* c
   for (int r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
     const __m256 b0 = _mm256_loadu_ps(bp + k * kNr);
-    const __m256 b1 = _mm256_loadu_ps(bp + k * kNr + 8);
+    const __m256 b1 = kWide ? _mm256_loadu_ps(bp + k * kNr + 8) : b0;
     const float* a = ap + k * kMr;
 #pragma GCC unroll 8
     for (int r = 0; r < kRows; ++r) {
       const __m256 av = _mm256_broadcast_ss(a + r);
       acc0[r] = _mm256_fmadd_ps(av, b0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
+      if constexpr (kWide) acc1[r] = _mm256_fmadd_ps(av, b1, acc1[r]);
     }
   }
   if (cols == kNr) {
@@ -58,7 +59,13 @@ void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, i
            int rows, int cols, bool accumulate) {
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  WithRows<kMr>(rows, [&]<int R>() { MicroRows<R>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  if (cols > 8) {
+    WithRows<kMr>(rows,
+                  [&]<int R>() { MicroRows<R, true>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  } else {
+    WithRows<kMr>(rows,
+                  [&]<int R>() { MicroRows<R, false>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  }
 }
 
 }  // namespace

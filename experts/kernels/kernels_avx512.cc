@@ -1,6 +1,8 @@
 // AVX-512 float32 kernels (compiled with -mavx512f -mavx512bw -mavx512vl
 // -mfma -mf16c): a 12 x 32 microkernel (24 accumulators, masked partial
 // stores), bfloat16 and FP8 operands converted to float32 as they are packed.
+// A block of at most 16 columns (a LoRA rank's) multiplies only the half of
+// the B panel it has.
 #include <immintrin.h>
 
 #define MOEFIT_PACK_WIDTH 16
@@ -15,7 +17,7 @@ namespace {
 constexpr int kMr = 12;
 constexpr int kNr = 32;
 
-template <int kRows>
+template <int kRows, bool kWide>
 inline void MicroRows(int64_t k_size, const float* ap, const float* bp, float* c, int64_t ldc,
                       int cols, bool accumulate) {
   __m512 acc0[kRows], acc1[kRows];
@@ -23,13 +25,13 @@ inline void MicroRows(int64_t k_size, const float* ap, const float* bp, float* c
   for (int r = 0; r < kRows; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_size; ++k) {
     const __m512 b0 = _mm512_loadu_ps(bp + k * kNr);
-    const __m512 b1 = _mm512_loadu_ps(bp + k * kNr + 16);
+    const __m512 b1 = kWide ? _mm512_loadu_ps(bp + k * kNr + 16) : b0;
     const float* a = ap + k * kMr;
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       const __m512 av = _mm512_set1_ps(a[r]);
       acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+      if constexpr (kWide) acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
     }
   }
   StoreRows32<kRows>(acc0, acc1, c, ldc, cols, accumulate);
@@ -39,7 +41,13 @@ void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, i
            int rows, int cols, bool accumulate) {
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  WithRows<kMr>(rows, [&]<int R>() { MicroRows<R>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  if (cols > 16) {
+    WithRows<kMr>(rows,
+                  [&]<int R>() { MicroRows<R, true>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  } else {
+    WithRows<kMr>(rows,
+                  [&]<int R>() { MicroRows<R, false>(k_size, ap, bp, c, ldc, cols, accumulate); });
+  }
 }
 
 }  // namespace

@@ -59,8 +59,13 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
   if (!adapter.defined()) return y;
   at::Tensor in = x.to(adapter.a.scalar_type());
   if (adapter.dropout > 0) in = at::dropout(in, adapter.dropout, /*train=*/true);
-  at::Tensor delta = at::linear(at::linear(in, adapter.a), adapter.b) * adapter.scaling;
-  return y + delta.to(y.scalar_type());
+  // The scaling goes on the thin [.., r] product, and in y's dtype the second
+  // product is added to y inside the GEMM (addmm): no pass over [.., out] of
+  // its own, forward or backward.
+  at::Tensor u = at::linear(in, adapter.a) * adapter.scaling;
+  if (u.scalar_type() != y.scalar_type()) return y + at::linear(u, adapter.b).to(y.scalar_type());
+  const int64_t rank = u.size(-1), out = y.size(-1);
+  return at::addmm(y.reshape({-1, out}), u.reshape({-1, rank}), adapter.b.t()).view(y.sizes());
 }
 
 std::vector<LinearModule> LinearModules(const ModelOptions& o) {

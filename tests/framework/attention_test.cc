@@ -169,6 +169,52 @@ TEST(LatentAttention, InterleavedRotaryEqualsDeinterleavedPlainRotary) {
   EXPECT_LT((interleaved - reference).abs().max().item<double>(), 1e-12);
 }
 
+// RMSNorm of float32 host tensors runs fused (one pass forward, one back);
+// the composite form, in float64, is its slow twin: the output and both
+// gradients agree to float32 rounding, with rows not a multiple of any vector
+// width, several leading dimensions, and a frozen weight or input.
+TEST(RmsNorm, FusedFloat32EqualsTheCompositeInFloat64) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{3, 5, 37}, {2, 4, 8, 64}, {1, 3}, {300, 512}}) {
+    for (const bool frozen_weight : {false, true}) {
+      for (const bool frozen_input : {false, true}) {
+        const int64_t h = shape.back();
+        at::Tensor x = at::randn(shape, gen, at::kFloat) * 3;
+        at::Tensor w = at::randn({h}, gen, at::kFloat) + 1;
+        at::Tensor dy = at::randn(shape, gen, at::kFloat);
+        at::Tensor x32 = x.clone().requires_grad_(!frozen_input);
+        at::Tensor w32 = w.clone().requires_grad_(!frozen_weight);
+        at::Tensor x64 = x.to(at::kDouble).requires_grad_(true);
+        at::Tensor w64 = w.to(at::kDouble).requires_grad_(true);
+        at::Tensor y32 = RmsNorm(x32, w32, 1e-6);
+        at::Tensor y64 = RmsNorm(x64, w64, 1e-6);
+        const std::string where = "shape " + c10::str(at::IntArrayRef(shape));
+        EXPECT_LT((y32.to(at::kDouble) - y64).abs().max().item<double>(),
+                  1e-6 * y64.abs().max().item<double>())
+            << where;
+        if (frozen_input && frozen_weight) continue;
+        y32.backward(dy);
+        y64.backward(dy.to(at::kDouble));
+        if (!frozen_input) {
+          EXPECT_LT((x32.grad().to(at::kDouble) - x64.grad()).abs().max().item<double>(),
+                    1e-5 * x64.grad().abs().max().item<double>())
+              << where;
+        } else {
+          EXPECT_FALSE(x32.grad().defined());
+        }
+        if (!frozen_weight) {
+          EXPECT_LT((w32.grad().to(at::kDouble) - w64.grad()).abs().max().item<double>(),
+                    1e-5 * w64.grad().abs().max().item<double>())
+              << where;
+        } else {
+          EXPECT_FALSE(w32.grad().defined());
+        }
+      }
+    }
+  }
+}
+
 TEST(CountParameters, EqualsTheTensorsTheModelBuilds) {
   const std::vector<std::vector<std::string>> cases = {
       {},  // the demo, qwen3_moe

@@ -107,13 +107,16 @@ class CpuRmsNorm : public torch::autograd::Function<CpuRmsNorm> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "RMSNorm's fused backward cannot be differentiated again (create_graph)");
     const torch::autograd::variable_list saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
     const at::Tensor dy = grads[0].contiguous();
     const int64_t h = x.size(-1), rows = rstd.numel();
     const bool want_dx = ctx->needs_input_grad(0), want_dw = ctx->needs_input_grad(1);
     at::Tensor dx = want_dx ? at::empty_like(x) : at::Tensor();
-    // dw summed per thread, then over threads.
+    // dw summed per thread, then over threads (slots by at::get_thread_num(),
+    // as at::parallel_reduce keeps its partial results).
     const int threads = at::get_num_threads();
     std::vector<float> dw_part(want_dw ? static_cast<size_t>(threads * h) : 0, 0.0f);
     const float* xp = x.data_ptr<float>();

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <functional>
@@ -172,7 +173,8 @@ TEST(LatentAttention, InterleavedRotaryEqualsDeinterleavedPlainRotary) {
 // RMSNorm of float32 host tensors runs fused (one pass forward, one back);
 // the composite form, in float64, is its slow twin: the output and both
 // gradients agree to float32 rounding, with rows not a multiple of any vector
-// width, several leading dimensions, and a frozen weight or input.
+// width, several leading dimensions, a strided (transposed) input, and a
+// frozen weight or input.
 TEST(RmsNorm, FusedFloat32EqualsTheCompositeInFloat64) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(11);
   for (const std::vector<int64_t>& shape :
@@ -180,10 +182,18 @@ TEST(RmsNorm, FusedFloat32EqualsTheCompositeInFloat64) {
     for (const bool frozen_weight : {false, true}) {
       for (const bool frozen_input : {false, true}) {
         const int64_t h = shape.back();
-        at::Tensor x = at::randn(shape, gen, at::kFloat) * 3;
+        // The 4-d input is a transposed view, as a narrowed or transposed
+        // activation reaches the norm.
+        const bool strided = shape.size() == 4;
+        std::vector<int64_t> stored = shape;
+        if (strided) std::swap(stored[2], stored[3]);
+        at::Tensor x = at::randn(stored, gen, at::kFloat) * 3;
+        if (strided) x = x.transpose(2, 3);
+        ASSERT_EQ(x.is_contiguous(), !strided);
         at::Tensor w = at::randn({h}, gen, at::kFloat) + 1;
         at::Tensor dy = at::randn(shape, gen, at::kFloat);
-        at::Tensor x32 = x.clone().requires_grad_(!frozen_input);
+        at::Tensor x32 = x.clone().requires_grad_(!frozen_input);  // keeps x's strides
+        ASSERT_EQ(x32.is_contiguous(), !strided);
         at::Tensor w32 = w.clone().requires_grad_(!frozen_weight);
         at::Tensor x64 = x.to(at::kDouble).requires_grad_(true);
         at::Tensor w64 = w.to(at::kDouble).requires_grad_(true);
@@ -200,19 +210,27 @@ TEST(RmsNorm, FusedFloat32EqualsTheCompositeInFloat64) {
           EXPECT_LT((x32.grad().to(at::kDouble) - x64.grad()).abs().max().item<double>(),
                     1e-5 * x64.grad().abs().max().item<double>())
               << where;
-        } else {
-          EXPECT_FALSE(x32.grad().defined());
         }
         if (!frozen_weight) {
           EXPECT_LT((w32.grad().to(at::kDouble) - w64.grad()).abs().max().item<double>(),
                     1e-5 * w64.grad().abs().max().item<double>())
               << where;
-        } else {
-          EXPECT_FALSE(w32.grad().defined());
         }
       }
     }
   }
+}
+
+// The fused backward is not itself differentiable: asking for a graph of it
+// is refused, not answered without RMSNorm's second-order terms.
+TEST(RmsNorm, FusedBackwardRefusesCreateGraph) {
+  at::Tensor x = at::randn({4, 16}).requires_grad_(true);
+  at::Tensor w = at::ones({16}).requires_grad_(true);
+  at::Tensor y = RmsNorm(x, w, 1e-6);
+  EXPECT_THROW(torch::autograd::grad({y.sum()}, {x}, {}, /*retain_graph=*/true,
+                                     /*create_graph=*/true),
+               c10::Error);
+  EXPECT_TRUE(torch::autograd::grad({y.sum()}, {x})[0].defined());
 }
 
 TEST(CountParameters, EqualsTheTensorsTheModelBuilds) {

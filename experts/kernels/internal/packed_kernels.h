@@ -12,8 +12,9 @@
 // k_pad_pairs (AMX: 16, a whole tile), the pairs past the block zero, and
 // lay its A panel out otherwise within the same size (AMX: [kp / 16][mr][16]
 // pairs, each tile row contiguous). Rows of A beyond the block and columns of B beyond it
-// are zero, so the microkernel always runs full panels and only its stores
-// are partial.
+// are zero, so a microkernel may run whole panels and store only the block's
+// part; it may also skip what lies wholly outside the block (the float32
+// kernels' unused half of a B panel, AMX's unused tiles).
 //
 // Every file that implements an instruction set is compiled with that set's
 // target flags and includes internal/pack_common.h, whose functions have

@@ -251,7 +251,7 @@ const PackedKernels& AmxBf16Kernels() {
                                &SmallRowsUpTo8,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx512,
+                               &StoreBf16RowAvx2,
                                /*k_pad_pairs=*/kTilePairs,
                                &BeginTiles,
                                &EndTiles};

@@ -66,7 +66,7 @@ const PackedKernels& Avx512F32Kernels() {
                                &SmallRowsUpTo8,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx512};
+                               &StoreBf16RowAvx2};
   return k;
 }
 

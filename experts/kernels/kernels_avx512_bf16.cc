@@ -62,7 +62,7 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &SmallRowsUpTo8,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx512};
+                               &StoreBf16RowAvx2};
   return k;
 }
 

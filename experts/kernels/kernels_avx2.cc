@@ -59,13 +59,9 @@ void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, i
            int rows, int cols, bool accumulate) {
   const auto* ap = static_cast<const float*>(a_panel);
   const auto* bp = static_cast<const float*>(b_panel);
-  if (cols > 8) {
-    WithRows<kMr>(rows,
-                  [&]<int R>() { MicroRows<R, true>(k_size, ap, bp, c, ldc, cols, accumulate); });
-  } else {
-    WithRows<kMr>(rows,
-                  [&]<int R>() { MicroRows<R, false>(k_size, ap, bp, c, ldc, cols, accumulate); });
-  }
+  WithRowsAndWidth<kMr>(rows, cols > kNr / 2, [&]<int R, bool kWide>() {
+    MicroRows<R, kWide>(k_size, ap, bp, c, ldc, cols, accumulate);
+  });
 }
 
 }  // namespace

@@ -245,6 +245,18 @@ inline void WithRows(int rows, const Fn& fn) {
   (std::make_integer_sequence<int, kMax>());
 }
 
+// The same with a second constant, W = wide: a float32 microkernel whose
+// panel is two vectors of columns runs only the first when the block's
+// columns fit in it.
+template <int kMax, typename Fn>
+inline void WithRowsAndWidth(int rows, bool wide, const Fn& fn) {
+  if (wide) {
+    WithRows<kMax>(rows, [&]<int R>() { fn.template operator()<R, true>(); });
+  } else {
+    WithRows<kMax>(rows, [&]<int R>() { fn.template operator()<R, false>(); });
+  }
+}
+
 // Writes a finished kMr x kNr float32 tile (row stride kNr) into C's first
 // rows x cols, adding to C when accumulating.
 template <int kNr>

@@ -40,14 +40,54 @@ const PackedKernels& Select(Isa isa, const Operand& a, const Operand& b) {
 }
 
 // Per-thread scratch, grown to the largest call seen and kept: the expert
-// layer calls this thousands of times per step.
+// layer calls this thousands of times per step. a, b: packed panels; c: a
+// bfloat16 output's float32 block; rows_a, rows_b: rows of an operand read
+// by index, copied out before packing.
 struct Workspace {
-  std::vector<float> a, b, c;
+  std::vector<float> a, b, c, rows_a, rows_b;
 };
+
+Workspace& ThreadWorkspace() {
+  thread_local Workspace ws;
+  return ws;
+}
 
 float* Grow(std::vector<float>& v, size_t n) {
   if (v.size() < n) v.resize(n);
   return v.data();
+}
+
+// Where row i of an operand starts, in elements of its type.
+int64_t RowStart(const Operand& op, int64_t i) {
+  return (op.row_index != nullptr ? op.row_index[i] : i) * op.row_stride;
+}
+
+// Rows [r0, r0 + rows) x columns [c0, c0 + cols) of an operand read by
+// index, copied into `buf` one row after another (row stride cols) in the
+// operand's own type: a plain operand the packers read as they read any.
+Operand CopyIndexedRows(const Operand& op, int64_t r0, int64_t rows, int64_t c0, int64_t cols,
+                        std::vector<float>& buf) {
+  const int64_t bytes = ElementBytes(op.type);
+  char* out =
+      reinterpret_cast<char*>(Grow(buf, static_cast<size_t>((rows * cols * bytes + 3) / 4)));
+  const char* src = static_cast<const char*>(op.data);
+  for (int64_t i = 0; i < rows; ++i) {
+    const char* row = src + (RowStart(op, r0 + i) + c0 * op.col_stride) * bytes;
+    char* to = out + i * cols * bytes;
+    if (op.col_stride == 1) {
+      std::memcpy(to, row, static_cast<size_t>(cols * bytes));
+    } else {
+      for (int64_t j = 0; j < cols; ++j) {
+        std::memcpy(to + j * bytes, row + j * op.col_stride * bytes, static_cast<size_t>(bytes));
+      }
+    }
+  }
+  Operand plain;
+  plain.data = out;
+  plain.type = op.type;
+  plain.row_stride = cols;
+  plain.col_stride = 1;
+  return plain;
 }
 
 // c10's conversion: the reference the kernels' own (pack_common.h) are
@@ -60,6 +100,8 @@ void CheckOperand(const Operand& op, const char* name) {
   TORCH_CHECK(op.data != nullptr, "Gemm: operand ", name, " has no data");
   TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.scales != nullptr, "Gemm: FP8 operand ", name,
               " needs its block scales");
+  TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.row_index == nullptr, "Gemm: FP8 operand ", name,
+              " cannot be read by row index");
 }
 
 // The blocked path (see the loop nest above). b_block_at(k0, kb, n0, nb,
@@ -68,7 +110,7 @@ void CheckOperand(const Operand& op, const char* name) {
 template <typename BBlockAt>
 void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, const Operand& a,
              const Output& c, bool accumulate, const BBlockAt& b_block_at) {
-  thread_local Workspace ws;
+  Workspace& ws = ThreadWorkspace();
   // With one block of rows, each packed B block is used once, right after it
   // is packed: keep it small enough to stay in L2 instead of travelling to
   // memory and back. With more rows, wide blocks pack A fewer times.
@@ -99,7 +141,11 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
       const bool acc = k0 > 0 || (direct && accumulate);
       for (int64_t m0 = 0; m0 < m; m0 += kern.mb) {
         const int64_t mb = std::min(kern.mb, m - m0);
-        kern.pack_a(a, m0, mb, k0, kb, ap);
+        if (a.row_index != nullptr) {
+          kern.pack_a(CopyIndexedRows(a, m0, mb, k0, kb, ws.rows_a), 0, mb, 0, kb, ap);
+        } else {
+          kern.pack_a(a, m0, mb, k0, kb, ap);
+        }
         for (int64_t j = 0; j < nb; j += kern.nr) {
           const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
           const float* b_panel = b_block + (j / kern.nr) * kern.nr * slots;
@@ -125,7 +171,7 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
 }  // namespace
 
 float ElementValue(const Operand& op, int64_t i, int64_t j) {
-  const int64_t idx = i * op.row_stride + j * op.col_stride;
+  const int64_t idx = RowStart(op, i) + j * op.col_stride;
   switch (op.type) {
     case ElemType::kF32:
       return static_cast<const float*>(op.data)[idx];
@@ -177,7 +223,11 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
     for (int64_t i = 0; i < m; i += kMaxBufferedRows) {
       const int64_t rows = std::min(kMaxBufferedRows, m - i);
       Operand a_rows = a;
-      a_rows.data = static_cast<const char*>(a.data) + i * a.row_stride * ElementBytes(a.type);
+      if (a.row_index != nullptr) {
+        a_rows.row_index = a.row_index + i;
+      } else {
+        a_rows.data = static_cast<const char*>(a.data) + i * a.row_stride * ElementBytes(a.type);
+      }
       if (a.type == ElemType::kF8E4M3) {
         TORCH_CHECK(i % kScaleBlock == 0, "Gemm: row chunks must align with the FP8 scale blocks");
         a_rows.scales = a.scales + (i / kScaleBlock) * a.scale_row_stride;
@@ -191,13 +241,22 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   const PackedKernels& kern = Select(isa, a, b);
   const bool streamed =
       path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
-  if (streamed && kern.small_rows != nullptr &&
-      kern.small_rows(m, n, k_size, a, b, c, accumulate)) {
-    return;
+  if (streamed && kern.small_rows != nullptr) {
+    // Operands read by index are copied out whole: a few rows of A; B only
+    // in calls this small, whose m is that of a few weight rows.
+    Workspace& ws = ThreadWorkspace();
+    const Operand sa = a.row_index != nullptr ? CopyIndexedRows(a, 0, m, 0, k_size, ws.rows_a) : a;
+    const Operand sb = b.row_index != nullptr ? CopyIndexedRows(b, 0, k_size, 0, n, ws.rows_b) : b;
+    if (kern.small_rows(m, n, k_size, sa, sb, c, accumulate)) return;
   }
   Blocked(kern, m, n, k_size, a, c, accumulate,
           [&](int64_t k0, int64_t kb, int64_t n0, int64_t nb, float* scratch) {
-            kern.pack_b(b, k0, kb, n0, nb, scratch);
+            if (b.row_index != nullptr) {
+              kern.pack_b(CopyIndexedRows(b, k0, kb, n0, nb, ThreadWorkspace().rows_b), 0, kb, 0,
+                          nb, scratch);
+            } else {
+              kern.pack_b(b, k0, kb, n0, nb, scratch);
+            }
             return static_cast<const float*>(scratch);
           });
 }
@@ -208,6 +267,7 @@ PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Oper
               " kernels cannot run on this CPU (", CpuFlags(), ")");
   TORCH_CHECK(k_size >= 0 && n >= 0, "PackedB: negative size");
   CheckOperand(b, "B");
+  TORCH_CHECK(b.row_index == nullptr, "PackedB: B cannot be read by row index");
   Operand a_like;
   a_like.type = a_type;
   const PackedKernels& kern = Select(isa, a_like, b);

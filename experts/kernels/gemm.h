@@ -40,6 +40,16 @@ enum class ElemType : uint8_t {
 // (in elements of `type`). FP8 operands carry float32 block scales: element
 // (i, j) stands for fp8 * scales[(i / 128) * scale_row_stride + (j / 128) *
 // scale_col_stride], DeepSeek-V3's 128x128 weight blocks.
+//
+// Rows picked by index: with row_index set, row i is the stored row
+// row_index[i] -- element (i, j) is data[row_index[i] * row_stride + j *
+// col_stride] -- so the rows of a matrix can be multiplied in any order and
+// any number of times each without being copied out first (the expert layer
+// reads a token's row once per expert it visits from one received row). The
+// driver copies the block of rows it is about to pack into a small buffer of
+// the calling thread, so the products are the bits of the same rows stored
+// one after another. float32 and bfloat16 operands only (FP8 scales follow
+// the stored rows' blocks), and not in a PackedB.
 struct Operand {
   const void* data = nullptr;
   ElemType type = ElemType::kF32;
@@ -48,6 +58,7 @@ struct Operand {
   const float* scales = nullptr;
   int64_t scale_row_stride = 0;
   int64_t scale_col_stride = 0;
+  const int64_t* row_index = nullptr;
 };
 
 inline constexpr int64_t kScaleBlock = 128;

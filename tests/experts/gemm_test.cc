@@ -247,6 +247,87 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
   }
 }
 
+// An operand read by row index (rows repeated, out of order) gives the bits
+// of the same rows copied out one after another: as A on the streamed and
+// blocked paths, through a packed B, in the row chunks of a tall bfloat16
+// output, and as B (rows along k, as a weight gradient reads its inputs).
+TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
+  struct IndexCase {
+    int64_t m, n, k;
+    ElemType type;
+    ElemType out_type;
+    bool index_b;  // B read by index (else A)
+    RowPath path;
+  };
+  const IndexCase cases[] = {
+      {5, 70, 129, ElemType::kF32, ElemType::kF32, false, RowPath::kStreamed},
+      {7, 33, 64, ElemType::kBF16, ElemType::kF32, false, RowPath::kAuto},
+      {97, 600, 1030, ElemType::kF32, ElemType::kF32, false, RowPath::kBlocked},
+      {300, 45, 257, ElemType::kBF16, ElemType::kBF16, false, RowPath::kBlocked},
+      {40, 129, 513, ElemType::kBF16, ElemType::kF32, false, RowPath::kBlocked},
+      {37, 70, 300, ElemType::kF32, ElemType::kF32, true, RowPath::kBlocked},
+      {64, 33, 600, ElemType::kBF16, ElemType::kF32, true, RowPath::kAuto},
+      {3, 20, 45, ElemType::kF32, ElemType::kF32, true, RowPath::kStreamed},
+  };
+  uint64_t seed = 500;
+  for (const IndexCase& c : cases) {
+    SCOPED_TRACE(
+        Describe(GetParam(), {c.m, c.n, c.k, c.type, c.type, c.index_b, false, c.out_type, false}) +
+        (c.index_b ? " B by index" : " A by index"));
+    // The indexed operand's stored rows: fewer than it reads, each read up
+    // to three times, in a shuffled order.
+    const int64_t rows = c.index_b ? c.k : c.m;
+    const int64_t cols = c.index_b ? c.n : c.k;
+    const int64_t stored_rows = rows / 3 + 1;
+    at::manual_seed(seed++);
+    at::Tensor index = at::randint(stored_rows, {rows}, at::kLong);
+    Stored source = MakeOperand(stored_rows, cols + 3, c.type, false, seed++);
+    // Columns 2.. of the stored rows: a row stride wider than the columns.
+    at::Tensor view = source.data.narrow(1, 2, cols);
+    Operand indexed = source.op;
+    indexed.data = view.data_ptr();
+    indexed.row_index = index.data_ptr<int64_t>();
+    at::Tensor copied = view.index_select(0, index).contiguous();
+    Operand plain = indexed;
+    plain.data = copied.data_ptr();
+    plain.row_stride = cols;
+    plain.row_index = nullptr;
+    // The other operand: B as a transposed weight, or A read transposed.
+    Stored other = c.index_b ? MakeOperand(c.m, c.k, c.type, true, seed++)
+                             : MakeOperand(c.k, c.n, c.type, true, seed++);
+    at::Tensor want = at::zeros({c.m, c.n}).to(TorchType(c.out_type));
+    at::Tensor got = want.clone();
+    const Output want_out{want.data_ptr(), c.out_type, c.n},
+        got_out{got.data_ptr(), c.out_type, c.n};
+    if (c.index_b) {
+      Gemm(GetParam(), c.m, c.n, c.k, other.op, plain, want_out, false, c.path);
+      Gemm(GetParam(), c.m, c.n, c.k, other.op, indexed, got_out, false, c.path);
+    } else {
+      Gemm(GetParam(), c.m, c.n, c.k, plain, other.op, want_out, false, c.path);
+      Gemm(GetParam(), c.m, c.n, c.k, indexed, other.op, got_out, false, c.path);
+      const PackedB packed(GetParam(), c.type, c.k, c.n, other.op);
+      at::Tensor from_pack = want.clone().zero_();
+      Gemm(GetParam(), c.m, indexed, packed, Output{from_pack.data_ptr(), c.out_type, c.n}, false,
+           c.path);
+      EXPECT_TRUE(at::equal(from_pack, want));
+    }
+    EXPECT_TRUE(at::equal(got, want));
+    EXPECT_EQ(ElementValue(indexed, rows - 1, cols - 1), ElementValue(plain, rows - 1, cols - 1));
+  }
+  // FP8 operands and packs refuse an index.
+  Stored fp8 = MakeOperand(4, 8, ElemType::kF8E4M3, false, seed++);
+  Stored a = MakeOperand(4, 4, ElemType::kF32, false, seed++);
+  const int64_t index[4] = {0, 1, 2, 3};
+  fp8.op.row_index = index;
+  at::Tensor out = at::zeros({4, 8});
+  EXPECT_THROW(
+      Gemm(GetParam(), 4, 8, 4, a.op, fp8.op, Output{out.data_ptr(), ElemType::kF32, 8}, false),
+      c10::Error);
+  Stored f32 = MakeOperand(4, 8, ElemType::kF32, false, seed++);
+  f32.op.row_index = index;
+  EXPECT_THROW(PackedB(GetParam(), ElemType::kF32, 4, 8, f32.op), c10::Error);
+}
+
 // The same products on every instruction set that computes them in float32
 // agree to float32 rounding: a narrower set is a twin of a wider one.
 TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {

@@ -51,8 +51,14 @@ class EagerBackend final : public ExpertBackend {
  public:
   std::string_view name() const override { return "eager"; }
 
-  at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
-                     const ExpertWeights& w, at::Tensor* activations) override {
+  using ExpertBackend::Backward;
+  using ExpertBackend::Forward;
+
+  // Rows read by index are copied out first: the plain reading of x_index.
+  at::Tensor Forward(const at::Tensor& x_in, const at::Tensor& x_index,
+                     const std::vector<int64_t>& counts, const ExpertWeights& w,
+                     at::Tensor* activations) override {
+    const at::Tensor x = x_index.defined() ? x_in.index_select(0, x_index) : x_in;
     const int64_t inter = w.down_proj.size(2);
     const ExpertLora& lora = w.lora;
     at::Tensor y = at::zeros({x.size(0), w.down_proj.size(1)}, x.options());
@@ -78,9 +84,10 @@ class EagerBackend final : public ExpertBackend {
     return y;
   }
 
-  ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x,
+  ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x_in, const at::Tensor& x_index,
                        const std::vector<int64_t>& counts, const ExpertWeights& w,
                        const at::Tensor& activations, const BackwardOptions& options) override {
+    const at::Tensor x = x_index.defined() ? x_in.index_select(0, x_index) : x_in;
     const int64_t inter = w.down_proj.size(2);
     const ExpertLora& lora = w.lora;
     const double scale = lora.scaling;

@@ -117,25 +117,40 @@ class ExpertBackend {
 
   // x: [A, H] with A = sum(counts) in segments (see above), same dtype and
   // device as the base weights (float32, bfloat16 or float64; CPU; float32 or
-  // bfloat16 with FP8 weights, which are frozen). Returns
+  // bfloat16 with FP8 weights, which are frozen). Or, with x_index defined
+  // ([A] int64, values in [0, R)), x is [R, H] and row a of the computation
+  // is x[x_index[a]]: a token's row, received once, is read once per local
+  // expert it visits without being copied out per expert. Returns
   // y [A, H]. `*activations` receives what Backward needs: the [A, 2I] gate/up
   // pre-activations, LoRA term included. With activations == nullptr nothing is
   // kept, and Backward recomputes them from x (expert recomputation: only the
   // layer's input stays alive between forward and backward). bfloat16 inputs
   // are multiplied with fp32 accumulation.
-  virtual at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
-                             const ExpertWeights& weights, at::Tensor* activations) = 0;
+  virtual at::Tensor Forward(const at::Tensor& x, const at::Tensor& x_index,
+                             const std::vector<int64_t>& counts, const ExpertWeights& weights,
+                             at::Tensor* activations) = 0;
+  // x holds the A rows themselves.
+  at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+                     const ExpertWeights& weights, at::Tensor* activations) {
+    return Forward(x, at::Tensor(), counts, weights, activations);
+  }
 
   // Gradients of sum(grad_y ⊙ y) with respect to x, the base weights (unless
   // options.base_weight_grads is false) and every defined LoRA tensor, given
   // the inputs of Forward and the activations it saved, or an undefined
   // tensor if it saved none. The low-rank intermediates (x·Aᵀ, h·Aᵀ) are
   // recomputed here rather than saved. Experts with no rows get zero weight
-  // gradients.
+  // gradients. grads.x is [A, H], one row per row of the computation (with
+  // x_index, the caller sums the rows that read the same row of x).
   virtual ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x,
-                               const std::vector<int64_t>& counts, const ExpertWeights& weights,
-                               const at::Tensor& activations,
-                               const BackwardOptions& options = {}) = 0;
+                               const at::Tensor& x_index, const std::vector<int64_t>& counts,
+                               const ExpertWeights& weights, const at::Tensor& activations,
+                               const BackwardOptions& options) = 0;
+  ExpertGrads Backward(const at::Tensor& grad_y, const at::Tensor& x,
+                       const std::vector<int64_t>& counts, const ExpertWeights& weights,
+                       const at::Tensor& activations, const BackwardOptions& options = {}) {
+    return Backward(grad_y, x, at::Tensor(), counts, weights, activations, options);
+  }
 };
 
 }  // namespace moefit::experts

@@ -2,13 +2,17 @@
 #include "experts/expert_function.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <numeric>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 namespace moefit::experts {
 namespace {
@@ -32,6 +36,36 @@ class ComputeTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
+// The gradient of rows read by index: row r of the result is the sum of
+// per_row[copies[r, j]] over j in order (-1: none), in float32 (float64 for
+// float64 rows), rounded once to per_row's dtype.
+at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) {
+  const at::Tensor per_row = per_row_in.contiguous();
+  const at::Tensor copies = copies_in.contiguous();
+  const int64_t rows = copies.size(0), f = copies.size(1), h = per_row.size(1);
+  at::Tensor out = at::empty({rows, h}, per_row.options());
+  const int64_t* cp = copies.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, per_row.scalar_type(), "SumCopies", [&] {
+    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* src = per_row.data_ptr<scalar_t>();
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / (h * sizeof(Acc) + 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<Acc> acc(h);
+      for (int64_t r = begin; r < end; ++r) {
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (int64_t j = 0; j < f; ++j) {
+          const int64_t a = cp[r * f + j];
+          if (a < 0) continue;
+          for (int64_t i = 0; i < h; ++i) acc[i] += static_cast<Acc>(src[a * h + i]);
+        }
+        for (int64_t i = 0; i < h; ++i) dst[r * h + i] = static_cast<scalar_t>(acc[i]);
+      }
+    });
+  });
+  return out;
+}
+
 // Inputs: x, the base weights, the four LoRA tensors (empty optionals where
 // there is no adapter: autograd takes no undefined tensor as an input), the
 // compute weights and their FP8 block scales (optionals too), then the
@@ -49,7 +83,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
                             at::Tensor down_proj, const Lora& gate_up_scale, const Lora& down_scale,
                             double scaling, ExpertBackend* backend,
                             const std::vector<int64_t>& counts, bool recompute,
-                            bool base_weight_grads) {
+                            bool base_weight_grads, const Lora& row_index_opt,
+                            const Lora& row_copies_opt) {
     ComputeTimer timer;
     auto get = [](const Lora& t) { return t.has_value() ? *t : at::Tensor(); };
     ctx->saved_data["master_dtype"] = static_cast<int64_t>(gate_up_in.scalar_type());
@@ -58,7 +93,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
         ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling},
         get(gate_up_scale), get(down_scale)};
     at::Tensor activations;
-    at::Tensor y = backend->Forward(x, counts, w, recompute ? nullptr : &activations);
+    const at::Tensor row_index = get(row_index_opt), row_copies = get(row_copies_opt);
+    at::Tensor y = backend->Forward(x, row_index, counts, w, recompute ? nullptr : &activations);
     ctx->save_for_backward({x, gate_up_proj, down_proj, w.lora.gate_up_a, w.lora.gate_up_b,
                             w.lora.down_a, w.lora.down_b, activations, w.gate_up_scale,
                             w.down_scale});
@@ -66,6 +102,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     ctx->saved_data["counts"] = counts;
     ctx->saved_data["scaling"] = scaling;
     ctx->saved_data["base_weight_grads"] = base_weight_grads;
+    ctx->saved_data["row_index"] = row_index;
+    ctx->saved_data["row_copies"] = row_copies;
     return y;
   }
 
@@ -80,8 +118,11 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
         saved[8], saved[9]};
     BackwardOptions options;
     options.base_weight_grads = ctx->saved_data["base_weight_grads"].toBool();
-    ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0], counts,
-                                      w, saved[7], options);
+    const at::Tensor row_index = ctx->saved_data["row_index"].toTensor();
+    const at::Tensor row_copies = ctx->saved_data["row_copies"].toTensor();
+    ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0],
+                                      row_index, counts, w, saved[7], options);
+    if (row_index.defined()) g.x = SumCopies(g.x, row_copies);
     const auto master =
         static_cast<at::ScalarType>(ctx->saved_data["master_dtype"].toInt());
     auto to_master = [&](const at::Tensor& t) { return t.defined() ? t.to(master) : t; };
@@ -92,6 +133,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
             g.gate_up_b,
             g.down_a,
             g.down_b,
+            at::Tensor(),
+            at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -144,9 +187,26 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                   static_cast<int64_t>(counts.size()) % gate_up_proj.size(0) == 0,
               "counts has ", counts.size(), " segments, not a multiple of the weights' ",
               gate_up_proj.size(0), " experts");
-  TORCH_CHECK(std::accumulate(counts.begin(), counts.end(), int64_t{0}) == x.size(0),
-              "counts sum to ", std::accumulate(counts.begin(), counts.end(), int64_t{0}),
-              " but x has ", x.size(0), " rows");
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  const at::Tensor& row_index = options.row_index;
+  const at::Tensor& row_copies = options.row_copies;
+  TORCH_CHECK(row_index.defined() == row_copies.defined(),
+              "expert rows by index: give both row_index and row_copies, or neither");
+  if (row_index.defined()) {
+    TORCH_CHECK(row_index.dim() == 1 && row_index.scalar_type() == at::kLong &&
+                    row_copies.dim() == 2 && row_copies.scalar_type() == at::kLong &&
+                    row_index.is_cpu() && row_copies.is_cpu(),
+                "expert rows by index: row_index must be [A] and row_copies [R, f], int64 on "
+                "the host");
+    TORCH_CHECK(row_index.size(0) == total && row_copies.size(0) == x.size(0),
+                "expert rows by index: counts sum to ", total, ", row_index has ",
+                row_index.size(0), " rows, row_copies ", row_copies.size(0), " and x ", x.size(0));
+    TORCH_CHECK(total == 0 || (row_index.min().item<int64_t>() >= 0 &&
+                               row_index.max().item<int64_t>() < x.size(0)),
+                "expert rows by index: row_index points outside x's ", x.size(0), " rows");
+  } else {
+    TORCH_CHECK(total == x.size(0), "counts sum to ", total, " but x has ", x.size(0), " rows");
+  }
   const bool fp8 = gate_up_proj.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(gate_up_proj.scalar_type() == down_proj.scalar_type(),
               "expert weights gate_up_proj and down_proj must share a dtype; got ",
@@ -204,11 +264,11 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   const bool base_weight_grads = gate_up_in.requires_grad() || down_in.requires_grad();
   auto opt = [](const at::Tensor& t) { return t.defined() ? std::optional(t) : std::nullopt; };
   // The compute weights travel as data, not as differentiable inputs.
-  return ExpertFfnFunction::apply(x.contiguous(), gate_up_in, down_in, opt(lora.gate_up_a),
-                                  opt(lora.gate_up_b), opt(lora.down_a), opt(lora.down_b),
-                                  gate_up_proj.detach(), down_proj.detach(),
-                                  opt(weights.gate_up_scale), opt(weights.down_scale), lora.scaling,
-                                  &backend, counts, options.recompute, base_weight_grads);
+  return ExpertFfnFunction::apply(
+      x.contiguous(), gate_up_in, down_in, opt(lora.gate_up_a), opt(lora.gate_up_b),
+      opt(lora.down_a), opt(lora.down_b), gate_up_proj.detach(), down_proj.detach(),
+      opt(weights.gate_up_scale), opt(weights.down_scale), lora.scaling, &backend, counts,
+      options.recompute, base_weight_grads, opt(row_index), opt(row_copies));
 }
 
 at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,

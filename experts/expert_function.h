@@ -26,9 +26,15 @@ struct ExpertFfnOptions {
   // that gradients accumulate and the optimizer updates in float32. Undefined:
   // the gradients go to the compute weights themselves.
   at::Tensor gate_up_master, down_master;
+  // Rows read by index (ExpertBackend::Forward's x_index): row a of the
+  // computation is x[row_index[a]] ([A] int64, host), and row r of x is read
+  // by the rows row_copies[r, 0..f) ([R, f] int64, -1 where fewer), so its
+  // gradient is theirs summed in that order (in float32 at least, rounded
+  // once to x's dtype). Both undefined: x holds the A rows themselves.
+  at::Tensor row_index, row_copies;
 };
 
-// y = backend(x, weights) with gradients to x, to the base weights when either
+// y = backend(x, weights) ([A, H]) with gradients to x, to the base weights when either
 // requires grad (otherwise no base weight-gradient work is done: a frozen
 // base), and to every defined LoRA tensor. x must have the base weights' dtype
 // and device, and y has it too; the LoRA tensors are float32 (or float64 with

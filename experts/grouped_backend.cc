@@ -82,6 +82,63 @@ kernels::Operand MatrixOp(const at::Tensor& t, bool transposed = false) {
   return op;
 }
 
+// Rows of a matrix as an operand: as they lie in a tensor, or picked from its
+// rows by index (Operand::row_index): the computation's input rows read from
+// the rows a dispatcher received, each as often as experts visit it.
+class InRows {
+ public:
+  InRows() = default;
+  InRows(const at::Tensor& t) : data_(t), rows_(t.size(0)) {}  // NOLINT: rows as they lie
+  InRows(const at::Tensor& stored, const int64_t* index, int64_t rows)
+      : data_(stored), index_(index), rows_(rows) {}
+
+  int64_t rows() const { return rows_; }
+  int64_t cols() const { return data_.size(1); }
+  const at::Tensor& stored() const { return data_; }
+  InRows Narrow(int64_t begin, int64_t n) const {
+    return index_ != nullptr ? InRows(data_, index_ + begin, n) : InRows(data_.narrow(0, begin, n));
+  }
+  InRows Columns(int64_t c0, int64_t n) const {
+    return index_ != nullptr ? InRows(data_.narrow(1, c0, n), index_, rows_)
+                             : InRows(data_.narrow(1, c0, n));
+  }
+  kernels::Operand Op() const {
+    kernels::Operand op = MatrixOp(data_);
+    op.row_index = index_;
+    return op;
+  }
+  // The rows as a tensor, for LibTorch's ops (the float64 path, whose input
+  // is never read by index: MakeInput copies it out).
+  const at::Tensor& Tensor() const {
+    TORCH_INTERNAL_ASSERT(index_ == nullptr, "rows read by index reached a LibTorch op");
+    return data_;
+  }
+
+ private:
+  at::Tensor data_;
+  const int64_t* index_ = nullptr;
+  int64_t rows_ = 0;
+};
+
+// The computation's input: x's rows, or those picked by x_index (copied out
+// for float64, which runs on LibTorch's mm).
+struct Input {
+  at::Tensor index, stored;  // kept alive while `rows` points into them
+  InRows rows;
+};
+
+Input MakeInput(const at::Tensor& x, const at::Tensor& x_index) {
+  if (!x_index.defined()) return {{}, x, InRows(x)};
+  TORCH_CHECK(x_index.dim() == 1 && x_index.scalar_type() == at::kLong && x_index.is_cpu(),
+              "expert rows by index: x_index must be [A] int64 on the host");
+  if (x.scalar_type() == at::kDouble) {
+    at::Tensor copied = x.index_select(0, x_index);
+    return {{}, copied, InRows(copied)};
+  }
+  at::Tensor index = x_index.contiguous();
+  return {index, x, InRows(x, index.data_ptr<int64_t>(), index.numel())};
+}
+
 kernels::Output OutputOp(const at::Tensor& t) {
   TORCH_CHECK(t.stride(1) == 1, "kernel output rows must be contiguous");
   return kernels::Output{t.data_ptr(), KernelType(t.scalar_type()), t.stride(0)};
@@ -121,18 +178,18 @@ using Packs = PackedWeightCache::Packs;
 // out = a · w[e]ᵀ (transposed) or a · w[e], with w's packs made ahead for
 // this orientation where there are (the blocked path; the streamed one reads
 // w as it is).
-void WeightMm(at::Tensor out, const at::Tensor& a, const at::Tensor& w, const at::Tensor& scale,
+void WeightMm(at::Tensor out, const InRows& a, const at::Tensor& w, const at::Tensor& scale,
               int64_t e, bool transposed, kernels::RowPath path, const Packs* packs) {
-  if (!OnKernels(a)) {
-    MmInto(out, a, transposed ? w[e].t() : w[e]);
+  if (!OnKernels(a.stored())) {
+    MmInto(out, a.Tensor(), transposed ? w[e].t() : w[e]);
     return;
   }
   if (packs != nullptr && path == kernels::RowPath::kBlocked) {
-    kernels::Gemm(kernels::ActiveIsa(), a.size(0), MatrixOp(a), packs->Get(e), OutputOp(out),
+    kernels::Gemm(kernels::ActiveIsa(), a.rows(), a.Op(), packs->Get(e), OutputOp(out),
                   /*accumulate=*/false, path);
     return;
   }
-  kernels::Gemm(a.size(0), out.size(1), a.size(1), MatrixOp(a), WeightOp(w, scale, e, transposed),
+  kernels::Gemm(a.rows(), out.size(1), a.cols(), a.Op(), WeightOp(w, scale, e, transposed),
                 OutputOp(out), /*accumulate=*/false, path);
 }
 
@@ -227,11 +284,11 @@ bool LoraOnKernels(const at::Tensor& in, const at::Tensor& m) {
 // tensor, so that a recomputed value is bitwise the value first computed;
 // `path` is the expert's (ExpertPaths), so a row's value does not depend on
 // its tile.
-at::Tensor ScaledMm(const at::Tensor& in, const at::Tensor& m, double s, kernels::RowPath path) {
-  if (!LoraOnKernels(in, m)) return at::mm(in.to(m.scalar_type()), m).mul_(s);
-  at::Tensor out = at::empty({in.size(0), m.size(1)}, m.options());
-  kernels::Gemm(Float32Isa(), in.size(0), m.size(1), in.size(1), MatrixOp(in), MatrixOp(m),
-                OutputOp(out), /*accumulate=*/false, path);
+at::Tensor ScaledMm(const InRows& in, const at::Tensor& m, double s, kernels::RowPath path) {
+  if (!LoraOnKernels(in.stored(), m)) return at::mm(in.Tensor().to(m.scalar_type()), m).mul_(s);
+  at::Tensor out = at::empty({in.rows(), m.size(1)}, m.options());
+  kernels::Gemm(Float32Isa(), in.rows(), m.size(1), in.cols(), in.Op(), MatrixOp(m), OutputOp(out),
+                /*accumulate=*/false, path);
   return out.mul_(s);
 }
 
@@ -251,7 +308,7 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m, kernels::Ro
 // The gate/up pre-activations of one tile of expert e, LoRA term included,
 // written to gu_t. Returns the LoRA intermediate s·(x_t·Aᵀ) (undefined
 // without a gate_up adapter).
-at::Tensor GateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
+at::Tensor GateUpTile(const InRows& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
                       kernels::RowPath path, const Packs* packs) {
   WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path, packs);
   if (!w.lora.has_gate_up()) return {};
@@ -296,10 +353,10 @@ bool CanFuseGateUp(const at::Tensor& x, const ExpertWeights& w) {
 }
 
 // out = x_t · half[e][c0 : c0 + n]ᵀ, from the half's packs where there are.
-void HalfMm(at::Tensor out, const at::Tensor& x_t, const std::pair<at::Tensor, at::Tensor>& half,
+void HalfMm(at::Tensor out, const InRows& x_t, const std::pair<at::Tensor, at::Tensor>& half,
             int64_t e, int64_t c0, int64_t n, kernels::RowPath path, const Packs* packs) {
   if (packs != nullptr && path == kernels::RowPath::kBlocked) {
-    kernels::GemmColumns(kernels::ActiveIsa(), x_t.size(0), MatrixOp(x_t), packs->Get(e), c0, n,
+    kernels::GemmColumns(kernels::ActiveIsa(), x_t.rows(), x_t.Op(), packs->Get(e), c0, n,
                          OutputOp(out), /*accumulate=*/false, path);
     return;
   }
@@ -308,7 +365,7 @@ void HalfMm(at::Tensor out, const at::Tensor& x_t, const std::pair<at::Tensor, a
                            ? scale.narrow(1, c0 / kernels::kScaleBlock,
                                           (n + kernels::kScaleBlock - 1) / kernels::kScaleBlock)
                            : scale;
-  kernels::Gemm(x_t.size(0), n, x_t.size(1), MatrixOp(x_t),
+  kernels::Gemm(x_t.rows(), n, x_t.cols(), x_t.Op(),
                 WeightOp(half.first.narrow(1, c0, n), s, e, /*transposed=*/true), OutputOp(out),
                 /*accumulate=*/false, path);
 }
@@ -317,10 +374,10 @@ void HalfMm(at::Tensor out, const at::Tensor& x_t, const std::pair<at::Tensor, a
 // kSwiGluColumns columns, the gate GEMM, the up GEMM, then h = silu(gate)·up
 // of the block (skipped when h_t is undefined: a recompute, whose backward
 // computes h itself).
-void FusedGateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
+void FusedGateUpTile(const InRows& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
                      const at::Tensor& h_t, kernels::RowPath path, const Packs* gate_packs,
                      const Packs* up_packs) {
-  const int64_t inter = w.gate_up_proj.size(1) / 2, rows = x_t.size(0);
+  const int64_t inter = w.gate_up_proj.size(1) / 2, rows = x_t.rows();
   const auto gate = Half(w, /*up=*/false), up = Half(w, /*up=*/true);
   for (int64_t c0 = 0; c0 < inter; c0 += kSwiGluColumns) {
     const int64_t n = std::min(kSwiGluColumns, inter - c0);
@@ -335,21 +392,21 @@ void FusedGateUpTile(const at::Tensor& x_t, int64_t e, const ExpertWeights& w, a
 
 // out = Σ over segments of a_segᵀ · b_seg, in out's dtype (float32 for a
 // bfloat16 base: the gradients of its float32 masters).
-void BaseGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+void BaseGrad(at::Tensor out, const at::Tensor& a, const InRows& b,
               const std::vector<Tile>& segments) {
   bool first = true;
   if (OnKernels(a)) {
     for (const Tile& seg : segments) {
       kernels::Gemm(out.size(0), out.size(1), seg.size,
                     MatrixOp(a.narrow(0, seg.begin, seg.size), true),
-                    MatrixOp(b.narrow(0, seg.begin, seg.size)), OutputOp(out), !first);
+                    b.Narrow(seg.begin, seg.size).Op(), OutputOp(out), !first);
       first = false;
     }
     return;
   }
   for (const Tile& seg : segments) {
     at::Tensor a_seg = a.narrow(0, seg.begin, seg.size).t();
-    at::Tensor b_seg = b.narrow(0, seg.begin, seg.size);
+    at::Tensor b_seg = b.Tensor().narrow(0, seg.begin, seg.size);
     if (first) {
       MmInto(out, a_seg, b_seg);
       first = false;
@@ -362,13 +419,13 @@ void BaseGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
 // out (zero on entry) += Σ over segments of a_segᵀ · b_seg in out's dtype (the
 // adapters'), on the float32 kernels (a and b read as float32 as they are
 // packed); float64 upcasts in chunks of rows to bound the temporaries.
-void LoraGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
+void LoraGrad(at::Tensor out, const at::Tensor& a, const InRows& b,
               const std::vector<Tile>& segments) {
   if (LoraOnKernels(a, out)) {
     for (const Tile& seg : segments) {
       kernels::Gemm(Float32Isa(), out.size(0), out.size(1), seg.size,
                     MatrixOp(a.narrow(0, seg.begin, seg.size), /*transposed=*/true),
-                    MatrixOp(b.narrow(0, seg.begin, seg.size)), OutputOp(out),
+                    b.Narrow(seg.begin, seg.size).Op(), OutputOp(out),
                     /*accumulate=*/true, kernels::RowPath::kBlocked);
     }
     return;
@@ -379,7 +436,7 @@ void LoraGrad(at::Tensor out, const at::Tensor& a, const at::Tensor& b,
     for (int64_t r = 0; r < seg.size; r += kChunkRows) {
       const int64_t n = std::min(kChunkRows, seg.size - r);
       out.addmm_(a.narrow(0, seg.begin + r, n).to(dtype).t(),
-                 b.narrow(0, seg.begin + r, n).to(dtype));
+                 b.Tensor().narrow(0, seg.begin + r, n).to(dtype));
     }
   }
 }
@@ -394,9 +451,16 @@ class GroupedBackend final : public ExpertBackend {
 
   std::string_view name() const override { return "grouped"; }
 
-  at::Tensor Forward(const at::Tensor& x, const std::vector<int64_t>& counts,
-                     const ExpertWeights& w, at::Tensor* activations) override {
-    const int64_t rows = x.size(0), inter = w.down_proj.size(2);
+  using ExpertBackend::Backward;
+  using ExpertBackend::Forward;
+
+  at::Tensor Forward(const at::Tensor& x_in, const at::Tensor& x_index,
+                     const std::vector<int64_t>& counts, const ExpertWeights& w,
+                     at::Tensor* activations) override {
+    const Input input = MakeInput(x_in, x_index);
+    const InRows& xr = input.rows;
+    const at::Tensor& x = input.stored;
+    const int64_t rows = xr.rows(), inter = w.down_proj.size(2);
     const ExpertLora& lora = w.lora;
     at::Tensor gate_up = at::empty({rows, 2 * inter}, x.options());
     at::Tensor h = at::empty({rows, inter}, x.options());
@@ -413,7 +477,7 @@ class GroupedBackend final : public ExpertBackend {
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       at::Tensor h_t = h.narrow(0, tile.begin, tile.size);
       at::Tensor y_t = y.narrow(0, tile.begin, tile.size);
-      const at::Tensor x_t = x.narrow(0, tile.begin, tile.size);
+      const InRows x_t = xr.Narrow(tile.begin, tile.size);
       if (fused) {
         FusedGateUpTile(x_t, e, w, gu_t, h_t, paths[e], gu_packs.gate.get(), gu_packs.up.get());
       } else {
@@ -431,10 +495,14 @@ class GroupedBackend final : public ExpertBackend {
     return y;
   }
 
-  ExpertGrads Backward(const at::Tensor& grad_y_in, const at::Tensor& x,
-                       const std::vector<int64_t>& counts, const ExpertWeights& w,
-                       const at::Tensor& activations, const BackwardOptions& options) override {
-    const int64_t rows = x.size(0), inter = w.down_proj.size(2);
+  ExpertGrads Backward(const at::Tensor& grad_y_in, const at::Tensor& x_in,
+                       const at::Tensor& x_index, const std::vector<int64_t>& counts,
+                       const ExpertWeights& w, const at::Tensor& activations,
+                       const BackwardOptions& options) override {
+    const Input input = MakeInput(x_in, x_index);
+    const InRows& xr = input.rows;
+    const at::Tensor& x = input.stored;
+    const int64_t rows = xr.rows(), inter = w.down_proj.size(2);
     const int64_t hidden = w.down_proj.size(1);
     const ExpertLora& lora = w.lora;
     const double scale = lora.scaling;
@@ -453,7 +521,7 @@ class GroupedBackend final : public ExpertBackend {
     // u_gu = s·x·Aguᵀ, du_gu = s·dgu·Bgu, u_down = s·h·Adᵀ, du_down = s·dy·Bd.
     at::Tensor u_gu, du_gu, u_down, du_down;
     ExpertGrads g;
-    g.x = at::empty_like(x);
+    g.x = at::empty({rows, x.size(1)}, x.options());
     if (base) {
       TORCH_CHECK(w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn,
                   "FP8 expert weights are frozen: they have no weight gradients");
@@ -499,7 +567,7 @@ class GroupedBackend final : public ExpertBackend {
         return full.defined() ? full.narrow(0, tile.begin, tile.size)
                               : at::empty({tile.size, cols}, x.options());
       };
-      at::Tensor x_t = x.narrow(0, tile.begin, tile.size);
+      const InRows x_t = xr.Narrow(tile.begin, tile.size);
       at::Tensor dy_t = grad_y.narrow(0, tile.begin, tile.size);
       at::Tensor gu_t = gate_up.narrow(0, tile.begin, tile.size);
       if (!activations.defined()) {
@@ -601,7 +669,7 @@ class GroupedBackend final : public ExpertBackend {
           BaseGrad(g.down_proj[e].narrow(0, b, n), grad_y.narrow(1, b, n), h, segs);
           break;
         case Grad::kGateUp:  // dguᵀ · x
-          BaseGrad(g.gate_up_proj[e].narrow(0, b, n), d_gate_up.narrow(1, b, n), x, segs);
+          BaseGrad(g.gate_up_proj[e].narrow(0, b, n), d_gate_up.narrow(1, b, n), xr, segs);
           break;
         case Grad::kDownB:  // s·dyᵀ · (h·Adᵀ)
           LoraGrad(g.down_b[e].narrow(0, b, n), grad_y.narrow(1, b, n), u_down, segs);
@@ -613,7 +681,7 @@ class GroupedBackend final : public ExpertBackend {
           LoraGrad(g.gate_up_b[e].narrow(0, b, n), d_gate_up.narrow(1, b, n), u_gu, segs);
           break;
         case Grad::kGateUpA:  // (s·dgu·Bgu)ᵀ · x
-          LoraGrad(g.gate_up_a[e].narrow(1, b, n), du_gu, x.narrow(1, b, n), segs);
+          LoraGrad(g.gate_up_a[e].narrow(1, b, n), du_gu, xr.Columns(b, n), segs);
           break;
       }
     });

@@ -449,7 +449,9 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU),
                                                         r.topk_weight.to(at::kCPU, at::kFloat));
   // f. Expert compute on this rank's experts (with their adapters under LoRA).
-  experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};
+  experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts,
+                                .row_index = rows.row_index,
+                                .row_copies = rows.row_copies};
   experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora};
   if (l.gate_up_compute.defined()) {
     ffn.gate_up_master = l.gate_up_proj;

@@ -50,7 +50,14 @@ class AllGatherDispatcher final : public Dispatcher {
     route->weights = AllGatherRows(*ep_, topk_weight, tokens);
     route->tokens_per_rank = tokens;
     DispatchedRows out;
-    out.rows = x_all.index_select(0, route->token_idx);
+    out.rows = x_all;
+    out.row_index = route->token_idx;
+    // Token t's slot j, if one of this rank's experts, is computation row
+    // copies[t, j].
+    at::Tensor copies = at::full({x_all.size(0) * k}, -1, at::kLong);
+    copies.index_put_({route->assignment_idx},
+                      at::arange(route->assignment_idx.numel(), at::kLong));
+    out.row_copies = copies.view({x_all.size(0), k});
     at::Tensor counts = at::bincount(mine_local, {}, num_local_);
     out.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_local_);
     out.sent_rows = x.size(0);

@@ -56,8 +56,9 @@ class AllToAllDispatcher final : public Dispatcher {
     at::Tensor local = at::empty({rows.size(0), k}, at::kLong);
     ep_->AllToAllV(routes.local_expert, route->send_pairs, local, route->recv_pairs)->WaitOrThrow();
 
-    // One copy of a received row per local expert it visits, grouped by
-    // expert (a counting sort: arrival order within an expert).
+    // A computation row per (received row, local expert it visits), grouped
+    // by expert (a counting sort: arrival order within an expert); the
+    // experts read the received row by index.
     const int64_t* lp = local.data_ptr<int64_t>();
     std::vector<int64_t> counts(num_local_, 0);
     for (int64_t i = 0; i < local.numel(); ++i) {
@@ -74,7 +75,9 @@ class AllToAllDispatcher final : public Dispatcher {
     route->remote = internal::MakeRowRelation(position, copies);
 
     DispatchedRows out;
-    out.rows = internal::Spread(rows, route->remote);
+    out.rows = rows;
+    out.row_index = at::div(route->remote.slot, k, "floor");
+    out.row_copies = route->remote.members;
     out.counts = std::move(counts);
     out.sent_rows = sent;
     out.route = std::move(route);

@@ -5,9 +5,10 @@
 //   alltoall   (default) the RouterParallel scheme (router/router_parallel.h),
 //              deduplicated as in DeepEP: a token travels once to each rank
 //              that owns any of its k experts, with its routing weights and
-//              those experts' local indices; the receiver expands it into one
-//              row per expert, and sums its experts' weighted outputs into one
-//              row per token before sending it back. Counts are exchanged
+//              those experts' local indices; the experts read each received
+//              row once per local expert it visits, by index (no copy per
+//              expert), and the receiver sums its experts' weighted outputs
+//              into one row per token before sending it back. Counts are exchanged
 //              first, then rows, weights and indices go with all-to-all-v.
 //   allgather  the HF transformers EP scheme: every rank gathers all tokens,
 //              computes its own experts' assignments (the rest masked out), and
@@ -39,10 +40,18 @@ class Route {
 };
 
 struct DispatchedRows {
-  at::Tensor rows;  // [R, H]: rows for this rank's experts, in segments
-  // Rows per segment; segment s holds the rows of local expert s (the layout
-  // experts/expert_backend.h takes): num_local segments.
+  // [R, H]: the rows this rank received, one per token (and, with the
+  // alltoall dispatcher, per rank that sent it), autograd-tracked.
+  at::Tensor rows;
+  // The expert computation's A rows, in segments: row a is
+  // rows[row_index[a]] ([A] int64), and counts[s] rows make segment s, the
+  // rows of local expert s (the layout experts/expert_backend.h takes):
+  // num_local segments.
+  at::Tensor row_index;
   std::vector<int64_t> counts;
+  // [R, f] int64: the computation rows that read each received row, in the
+  // order its gradient sums them (-1 where fewer than f).
+  at::Tensor row_copies;
   std::unique_ptr<Route> route;
   // Rows this rank sent out (and gets back in Combine), itself included: with
   // deduplication fewer than its tokens x k.
@@ -60,7 +69,7 @@ class Dispatcher {
   virtual DispatchedRows Dispatch(const at::Tensor& x, const at::Tensor& topk_idx,
                                   const at::Tensor& topk_weight) = 0;
 
-  // y: [R, H] expert outputs aligned with DispatchedRows::rows -> [N, H] each
+  // y: [A, H] expert outputs, one per computation row (row_index) -> [N, H] each
   // token's sum over its k slots of weight x expert output, in y's dtype
   // promoted to at least float32. Collective.
   virtual at::Tensor Combine(const at::Tensor& y, const Route& route) = 0;

@@ -765,6 +765,138 @@ TEST(GroupedKernels, Fp8FrozenWeightsMatchEager) {
   }
 }
 
+// Stored rows for a problem's A rows read by index: about half as many rows
+// as A, each read up to several times, in shuffled order. Returns the stored
+// rows and the index; stored.index_select(0, index) is the rows copied out.
+std::pair<at::Tensor, at::Tensor> IndexedRows(const ExpertProblem& p, uint64_t seed) {
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
+  const int64_t a_rows = p.x.size(0), stored_rows = a_rows / 2 + 1;
+  at::Tensor stored = at::randn({stored_rows, p.x.size(1)}, gen, at::kFloat).to(p.x.scalar_type());
+  at::Tensor index = at::randint(stored_rows, {a_rows}, gen, at::kLong);
+  return {stored, index};
+}
+
+// The inverse of `index` as ExpertFfnOptions::row_copies wants it: row r
+// lists the computation rows that read it, in increasing order.
+at::Tensor CopiesOf(const at::Tensor& index, int64_t stored_rows) {
+  std::vector<std::vector<int64_t>> lists(stored_rows);
+  for (int64_t a = 0; a < index.numel(); ++a) lists[index[a].item<int64_t>()].push_back(a);
+  size_t f = 1;
+  for (const auto& l : lists) f = std::max(f, l.size());
+  at::Tensor copies = at::full({stored_rows, static_cast<int64_t>(f)}, -1, at::kLong);
+  for (int64_t r = 0; r < stored_rows; ++r) {
+    for (size_t j = 0; j < lists[r].size(); ++j) copies[r][j] = lists[r][j];
+  }
+  return copies;
+}
+
+// The grouped backend reading its input rows by index gives the bits of the
+// same rows copied out first, forward and backward (every gradient, saved and
+// recomputed activations, trained and frozen base, with and without LoRA,
+// FP8 frozen weights), on every instruction set the CPU has, in float32 and
+// bfloat16; float64 (LibTorch's mm) and eager copy the rows out themselves.
+TEST(GroupedKernels, RowsReadByIndexGiveTheBitsOfTheRowsCopiedOut) {
+  using kernels::Isa;
+  const ExpertProblemShape shapes[] = {
+      {"mixed", 40, 72, 40, 16, 2, RoutingPattern::kSkewed},
+      {"fp8_blocks", 30, 130, 128, 3, 2, RoutingPattern::kUniform},
+  };
+  for (Isa isa : kernels::kAllIsas) {
+    if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
+    kernels::LimitIsa(isa);
+    for (const ExpertProblemShape& shape : shapes) {
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
+        for (int variant = 0; variant < 4; ++variant) {
+          // 0: base; 1: LoRA, frozen base, recomputed; 2: LoRA, trained base;
+          // 3: FP8 frozen base with LoRA.
+          if (variant == 3 && dtype == at::kDouble) continue;
+          const bool lora = variant >= 1, frozen = variant == 1 || variant == 3;
+          const bool recompute = variant == 1;
+          const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name + " " +
+                                   std::string(c10::toString(dtype)) + " variant " +
+                                   std::to_string(variant);
+          ExpertProblem p = MakeExpertProblem(shape, dtype, 21);
+          ExpertWeights w = variant == 3 ? QuantizeFp8(p) : Weights(p);
+          if (lora) {
+            w.lora = MakeExpertLora(shape, {.rank = 3},
+                                    dtype == at::kDouble ? at::kDouble : at::kFloat, 22);
+          }
+          auto [stored, index] = IndexedRows(p, 23);
+          const at::Tensor copied = stored.index_select(0, index);
+          const BackwardOptions options{.base_weight_grads = !frozen};
+          for (const char* name : {"grouped", "eager"}) {
+            auto backend = Backend(name);
+            at::Tensor act_copied, act_indexed;
+            at::Tensor* keep_copied = recompute ? nullptr : &act_copied;
+            at::Tensor* keep_indexed = recompute ? nullptr : &act_indexed;
+            at::Tensor y = backend->Forward(copied, p.counts, w, keep_copied);
+            at::Tensor y_idx = backend->Forward(stored, index, p.counts, w, keep_indexed);
+            EXPECT_TRUE(at::equal(y_idx, y)) << name << " " << what;
+            ExpertGrads g = backend->Backward(p.grad_y, copied, p.counts, w, act_copied, options);
+            ExpertGrads g_idx =
+                backend->Backward(p.grad_y, stored, index, p.counts, w, act_indexed, options);
+            ExpectGradsEqual(g_idx, g, std::string(name) + " " + what);
+          }
+        }
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// ExpertFfn over rows read by index: the gradient of a stored row is the sum
+// of the gradients of the rows that read it, as autograd gives it through
+// index_select (float64); float32 and bfloat16 outputs are the bits of the
+// copied-out rows'. Bad indices are refused with a message.
+TEST(ExpertFfn, RowsReadByIndexSumTheirGradients) {
+  const ExpertProblemShape shape{"idx", 30, 24, 16, 4, 2, RoutingPattern::kSkewed};
+  for (at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    ExpertProblem p = MakeExpertProblem(shape, dtype, 31);
+    auto [stored, index] = IndexedRows(p, 32);
+    const at::Tensor copies = CopiesOf(index, stored.size(0));
+    auto backend = Backend("grouped");
+    at::Tensor x_idx = stored.clone().requires_grad_(true);
+    at::Tensor x_ref = stored.clone().requires_grad_(true);
+    at::Tensor gu = p.gate_up_proj.clone().requires_grad_(true);
+    at::Tensor dn = p.down_proj.clone().requires_grad_(true);
+    ExpertFfnOptions by_index;
+    by_index.row_index = index;
+    by_index.row_copies = copies;
+    at::Tensor y_idx = ExpertFfn(*backend, x_idx, p.counts, {gu, dn}, by_index);
+    at::Tensor y_ref = ExpertFfn(*backend, x_ref.index_select(0, index), p.counts, {gu, dn});
+    EXPECT_TRUE(at::equal(y_idx, y_ref)) << dtype;
+    (y_idx.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
+    (y_ref.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
+    if (dtype == at::kDouble) {
+      EXPECT_TRUE(at::allclose(x_idx.grad(), x_ref.grad(), 1e-12, 1e-12));
+    } else {
+      // index_select's backward sums in the rows' dtype, ours in float32.
+      EXPECT_LT(RelErr(x_idx.grad(), x_ref.grad()), dtype == at::kFloat ? 1e-6 : 1e-2) << dtype;
+    }
+  }
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 33);
+  auto [stored, index] = IndexedRows(p, 34);
+  auto backend = Backend("grouped");
+  auto message = [&](const at::Tensor& idx, const at::Tensor& copies) -> std::string {
+    ExpertFfnOptions o;
+    o.row_index = idx;
+    o.row_copies = copies;
+    try {
+      ExpertFfn(*backend, stored, p.counts, Weights(p), o);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  };
+  const at::Tensor copies = CopiesOf(index, stored.size(0));
+  at::Tensor outside = index.clone();
+  outside[3] = stored.size(0);
+  EXPECT_NE(message(outside, copies).find("points outside x's"), std::string::npos);
+  EXPECT_NE(message(index, at::Tensor()).find("give both row_index and row_copies"),
+            std::string::npos);
+  EXPECT_NE(message(index.narrow(0, 0, 5), copies).find("counts sum to"), std::string::npos);
+}
+
 // FP8 weights are frozen: ExpertFfn refuses to train them, and wants scales.
 TEST(ExpertFfnChecks, Fp8WeightsAreFrozenAndNeedScales) {
   const ExpertProblemShape shape{"fp8", 4, 8, 4, 2, 1, RoutingPattern::kUniform};

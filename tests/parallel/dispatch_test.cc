@@ -39,17 +39,36 @@ Case MakeCase(int rank, int64_t num_experts) {
   return c;
 }
 
-// "Expert e" multiplies its rows by (e + 1): the result tells which expert a
-// row visited.
+// "Expert e" multiplies its rows (read by index from the received ones) by
+// (e + 1): the result tells which expert a row visited.
 at::Tensor FakeExperts(const DispatchedRows& d, int64_t first_expert, int64_t num_local) {
+  const at::Tensor rows = d.rows.index_select(0, d.row_index);
   std::vector<at::Tensor> parts;
   int64_t row = 0;
   for (size_t s = 0; s < d.counts.size(); ++s) {
     const int64_t e = static_cast<int64_t>(s) % num_local;
-    parts.push_back(d.rows.narrow(0, row, d.counts[s]) * static_cast<double>(first_expert + e + 1));
+    parts.push_back(rows.narrow(0, row, d.counts[s]) * static_cast<double>(first_expert + e + 1));
     row += d.counts[s];
   }
-  return parts.empty() ? d.rows * 1.0 : at::cat(parts);
+  return parts.empty() ? rows * 1.0 : at::cat(parts);
+}
+
+// row_copies is row_index inverted: each computation row a is listed once,
+// under the received row it reads.
+void ExpectCopiesInvertIndex(const DispatchedRows& d) {
+  const int64_t a_rows = d.row_index.numel();
+  ASSERT_EQ(d.row_copies.size(0), d.rows.size(0));
+  std::vector<int> seen(a_rows, 0);
+  for (int64_t r = 0; r < d.row_copies.size(0); ++r) {
+    for (int64_t j = 0; j < d.row_copies.size(1); ++j) {
+      const int64_t a = d.row_copies[r][j].item<int64_t>();
+      if (a < 0) continue;
+      ASSERT_LT(a, a_rows);
+      EXPECT_EQ(d.row_index[a].item<int64_t>(), r);
+      ++seen[a];
+    }
+  }
+  for (int64_t a = 0; a < a_rows; ++a) EXPECT_EQ(seen[a], 1) << "computation row " << a;
 }
 
 class DispatchTest : public ::testing::TestWithParam<std::string> {};
@@ -70,6 +89,7 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   const int64_t first = placement->first_expert(world->rank());
   const int64_t num_local = placement->num_local(world->rank());
   ASSERT_EQ(static_cast<int64_t>(d.counts.size()), num_local);
+  ExpectCopiesInvertIndex(d);
   for (int64_t e = 0; e < num_local; ++e) {
     EXPECT_EQ(d.counts[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
   }
@@ -85,6 +105,15 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
     for (int64_t t = 0; t < c.x.size(0); ++t) pairs += std::get<0>(at::_unique(owner[t])).numel();
     EXPECT_EQ(d.sent_rows, pairs);
     EXPECT_LE(d.sent_rows, c.x.size(0) * kTopK);
+    // Received once per (token, this rank) pair: the rows sent here in all.
+    at::Tensor to_rank = at::zeros({world->size()}, at::kLong);
+    for (int64_t t = 0; t < c.x.size(0); ++t) {
+      for (int q = 0; q < world->size(); ++q) {
+        if ((owner[t] == q).any().item<bool>()) to_rank[q] += 1;
+      }
+    }
+    world->AllReduce(to_rank, ReduceOp::kSum)->WaitOrThrow();
+    EXPECT_EQ(d.rows.size(0), to_rank[world->rank()].item<int64_t>()) << "rank " << world->rank();
   }
 
   at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first, num_local), *d.route);

@@ -53,12 +53,17 @@ at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) 
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<Acc> acc(h);
       for (int64_t r = begin; r < end; ++r) {
-        std::fill(acc.begin(), acc.end(), Acc(0));
+        bool first = true;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t a = cp[r * f + j];
           if (a < 0) continue;
-          for (int64_t i = 0; i < h; ++i) acc[i] += static_cast<Acc>(src[a * h + i]);
+          const scalar_t* row = src + a * h;
+          for (int64_t i = 0; i < h; ++i) {
+            acc[i] = first ? static_cast<Acc>(row[i]) : acc[i] + static_cast<Acc>(row[i]);
+          }
+          first = false;
         }
+        if (first) std::fill(acc.begin(), acc.end(), Acc(0));
         for (int64_t i = 0; i < h; ++i) dst[r * h + i] = static_cast<scalar_t>(acc[i]);
       }
     });
@@ -204,6 +209,20 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
     TORCH_CHECK(total == 0 || (row_index.min().item<int64_t>() >= 0 &&
                                row_index.max().item<int64_t>() < x.size(0)),
                 "expert rows by index: row_index points outside x's ", x.size(0), " rows");
+    // Every computation row listed exactly once, under the row it reads.
+    const at::Tensor listed = row_copies.reshape({-1});
+    const at::Tensor present = listed.ge(0);
+    const at::Tensor members = listed.masked_select(present);
+    const at::Tensor owners = at::arange(row_copies.size(0), at::kLong)
+                                  .repeat_interleave(row_copies.size(1))
+                                  .masked_select(present);
+    TORCH_CHECK(members.numel() == total &&
+                    (listed.numel() == 0 || listed.min().item<int64_t>() >= -1) &&
+                    (total == 0 || (members.max().item<int64_t>() < total &&
+                                    at::bincount(members, {}, total).eq(1).all().item<bool>() &&
+                                    at::equal(row_index.index_select(0, members), owners))),
+                "expert rows by index: row_copies must list each of the ", total,
+                " computation rows once, under the row of x it reads");
   } else {
     TORCH_CHECK(total == x.size(0), "counts sum to ", total, " but x has ", x.size(0), " rows");
   }

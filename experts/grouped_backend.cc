@@ -131,6 +131,9 @@ Input MakeInput(const at::Tensor& x, const at::Tensor& x_index) {
   if (!x_index.defined()) return {{}, x, InRows(x)};
   TORCH_CHECK(x_index.dim() == 1 && x_index.scalar_type() == at::kLong && x_index.is_cpu(),
               "expert rows by index: x_index must be [A] int64 on the host");
+  TORCH_CHECK(x_index.numel() == 0 ||
+                  (x_index.min().item<int64_t>() >= 0 && x_index.max().item<int64_t>() < x.size(0)),
+              "expert rows by index: x_index points outside x's ", x.size(0), " rows");
   if (x.scalar_type() == at::kDouble) {
     at::Tensor copied = x.index_select(0, x_index);
     return {{}, copied, InRows(copied)};

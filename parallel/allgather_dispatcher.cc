@@ -50,14 +50,19 @@ class AllGatherDispatcher final : public Dispatcher {
     route->weights = AllGatherRows(*ep_, topk_weight, tokens);
     route->tokens_per_rank = tokens;
     DispatchedRows out;
-    out.rows = x_all;
-    out.row_index = route->token_idx;
-    // Token t's slot j, if one of this rank's experts, is computation row
-    // copies[t, j].
-    at::Tensor copies = at::full({x_all.size(0) * k}, -1, at::kLong);
-    copies.index_put_({route->assignment_idx},
-                      at::arange(route->assignment_idx.numel(), at::kLong));
-    out.row_copies = copies.view({x_all.size(0), k});
+    // The rows of the tokens that visit this rank's experts, once each (not
+    // all tokens: the experts' saved input stays at most one row per
+    // assignment); computation row a reads row_index[a] of them.
+    auto [tokens_here, slot_of] =
+        at::_unique(route->token_idx, /*sorted=*/true, /*return_inverse=*/true);
+    out.rows = x_all.index_select(0, tokens_here);
+    out.row_index = slot_of;
+    // Token row u's slot j, if one of this rank's experts, is computation
+    // row copies[u, j].
+    at::Tensor copies = at::full({tokens_here.numel() * k}, -1, at::kLong);
+    at::Tensor where = slot_of * k + route->assignment_idx.remainder(k);
+    copies.index_put_({where}, at::arange(route->assignment_idx.numel(), at::kLong));
+    out.row_copies = copies.view({tokens_here.numel(), k});
     at::Tensor counts = at::bincount(mine_local, {}, num_local_);
     out.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_local_);
     out.sent_rows = x.size(0);

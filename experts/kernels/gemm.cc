@@ -171,6 +171,8 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
 }  // namespace
 
 float ElementValue(const Operand& op, int64_t i, int64_t j) {
+  TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.row_index == nullptr,
+              "ElementValue: FP8 operands cannot be read by row index");
   const int64_t idx = RowStart(op, i) + j * op.col_stride;
   switch (op.type) {
     case ElemType::kF32:
@@ -241,9 +243,12 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   const PackedKernels& kern = Select(isa, a, b);
   const bool streamed =
       path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
-  if (streamed && kern.small_rows != nullptr) {
-    // Operands read by index are copied out whole: a few rows of A; B only
-    // in calls this small, whose m is that of a few weight rows.
+  // small_rows reads A's rows along k and declines other layouts of A: an
+  // operand read by index is copied out whole (a few rows of A; all of B)
+  // only for a call it can take.
+  const bool a_along_k =
+      a.row_index != nullptr || (a.col_stride == 1 && a.type != ElemType::kF8E4M3);
+  if (streamed && kern.small_rows != nullptr && a_along_k) {
     Workspace& ws = ThreadWorkspace();
     const Operand sa = a.row_index != nullptr ? CopyIndexedRows(a, 0, m, 0, k_size, ws.rows_a) : a;
     const Operand sb = b.row_index != nullptr ? CopyIndexedRows(b, 0, k_size, 0, n, ws.rows_b) : b;

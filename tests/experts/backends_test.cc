@@ -895,6 +895,12 @@ TEST(ExpertFfn, RowsReadByIndexSumTheirGradients) {
   EXPECT_NE(message(index, at::Tensor()).find("give both row_index and row_copies"),
             std::string::npos);
   EXPECT_NE(message(index.narrow(0, 0, 5), copies).find("counts sum to"), std::string::npos);
+  // A computation row listed twice, or under a row it does not read.
+  at::Tensor twice = copies.clone();
+  twice[0][0] = twice[1][0].item<int64_t>() >= 0 ? twice[1][0].item<int64_t>() : 0;
+  EXPECT_NE(message(index, twice).find("must list each of the"), std::string::npos);
+  at::Tensor swapped = copies.flip({0}).contiguous();
+  EXPECT_NE(message(index, swapped).find("must list each of the"), std::string::npos);
 }
 
 // FP8 weights are frozen: ExpertFfn refuses to train them, and wants scales.

@@ -292,7 +292,9 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
     plain.data = copied.data_ptr();
     plain.row_stride = cols;
     plain.row_index = nullptr;
-    // The other operand: B as a transposed weight, or A read transposed.
+    // The other operand: B as a transposed weight; or A, read transposed
+    // (as a weight gradient reads dY) and row-major (which the streamed path
+    // takes).
     Stored other = c.index_b ? MakeOperand(c.m, c.k, c.type, true, seed++)
                              : MakeOperand(c.k, c.n, c.type, true, seed++);
     at::Tensor want = at::zeros({c.m, c.n}).to(TorchType(c.out_type));
@@ -302,6 +304,13 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
     if (c.index_b) {
       Gemm(GetParam(), c.m, c.n, c.k, other.op, plain, want_out, false, c.path);
       Gemm(GetParam(), c.m, c.n, c.k, other.op, indexed, got_out, false, c.path);
+      Stored row_major = MakeOperand(c.m, c.k, c.type, false, seed++);
+      at::Tensor want_rm = want.clone().zero_(), got_rm = want.clone().zero_();
+      Gemm(GetParam(), c.m, c.n, c.k, row_major.op, plain,
+           Output{want_rm.data_ptr(), c.out_type, c.n}, false, c.path);
+      Gemm(GetParam(), c.m, c.n, c.k, row_major.op, indexed,
+           Output{got_rm.data_ptr(), c.out_type, c.n}, false, c.path);
+      EXPECT_TRUE(at::equal(got_rm, want_rm)) << "row-major A";
     } else {
       Gemm(GetParam(), c.m, c.n, c.k, plain, other.op, want_out, false, c.path);
       Gemm(GetParam(), c.m, c.n, c.k, indexed, other.op, got_out, false, c.path);
@@ -310,6 +319,17 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
       Gemm(GetParam(), c.m, indexed, packed, Output{from_pack.data_ptr(), c.out_type, c.n}, false,
            c.path);
       EXPECT_TRUE(at::equal(from_pack, want));
+      // Columns from a panel boundary on (the fused gate/up's blocks).
+      if (c.n > 32) {
+        const int64_t col0 = 32, cols = c.n - col0;
+        at::Tensor part_want = at::zeros({c.m, cols}).to(TorchType(c.out_type));
+        at::Tensor part_got = part_want.clone();
+        GemmColumns(GetParam(), c.m, plain, packed, col0, cols,
+                    Output{part_want.data_ptr(), c.out_type, cols}, false, c.path);
+        GemmColumns(GetParam(), c.m, indexed, packed, col0, cols,
+                    Output{part_got.data_ptr(), c.out_type, cols}, false, c.path);
+        EXPECT_TRUE(at::equal(part_got, part_want)) << "columns from " << col0;
+      }
     }
     EXPECT_TRUE(at::equal(got, want));
     EXPECT_EQ(ElementValue(indexed, rows - 1, cols - 1), ElementValue(plain, rows - 1, cols - 1));

@@ -114,6 +114,16 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
     }
     world->AllReduce(to_rank, ReduceOp::kSum)->WaitOrThrow();
     EXPECT_EQ(d.rows.size(0), to_rank[world->rank()].item<int64_t>()) << "rank " << world->rank();
+  } else {  // one row per token of any rank that visits one of this rank's experts
+    at::Tensor counts = at::tensor({c.x.size(0)}, at::kLong);
+    at::Tensor all_counts = at::empty({world->size()}, at::kLong);
+    world->AllGather(counts, all_counts)->WaitOrThrow();
+    std::vector<int64_t> tokens(all_counts.data_ptr<int64_t>(),
+                                all_counts.data_ptr<int64_t>() + world->size());
+    at::Tensor all_idx = at::empty({all_counts.sum().item<int64_t>(), kTopK}, at::kLong);
+    world->AllGatherV(c.topk_idx.contiguous(), all_idx, tokens)->WaitOrThrow();
+    const at::Tensor mine = all_idx.ge(first).logical_and(all_idx.lt(first + num_local));
+    EXPECT_EQ(d.rows.size(0), mine.any(1).sum().item<int64_t>()) << "rank " << world->rank();
   }
 
   at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first, num_local), *d.route);

@@ -5,6 +5,7 @@
 // diagnosed at the first Wait() instead of by a crash or a silent no-op.
 #include "parallel/communicator.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -12,6 +13,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "parallel/internal/collective_checks.h"
 #include "parallel/progress.h"
 #include "parallel/watchdog.h"
 
@@ -99,6 +101,16 @@ std::shared_ptr<Work> Communicator::AllToAllCounts(const at::Tensor&, const at::
 std::shared_ptr<Work> Communicator::AllToAllV(const at::Tensor&, absl::Span<const int64_t>,
                                               const at::Tensor&, absl::Span<const int64_t>) {
   return NotImplemented("AllToAllV");
+}
+
+std::shared_ptr<Work> Communicator::AllToAllVGather(const at::Tensor& src,
+                                                    const at::Tensor& send_rows,
+                                                    absl::Span<const int64_t> send_row_counts,
+                                                    const at::Tensor& recv,
+                                                    absl::Span<const int64_t> recv_row_counts) {
+  internal::CheckAllToAllVGather(*this, src, send_rows, send_row_counts, recv, recv_row_counts);
+  return AllToAllV(src.index_select(0, send_rows.to(src.device())), send_row_counts, recv,
+                   recv_row_counts);
 }
 
 std::shared_ptr<Work> Communicator::AllReduce(const at::Tensor&, ReduceOp) {

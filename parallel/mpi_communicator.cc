@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -28,12 +29,32 @@
 namespace moefit::parallel {
 namespace {
 
+// Derived datatypes a pending collective was posted with, freed once it is
+// over (unless MPI has been finalized by then).
+struct OwnedTypes {
+  OwnedTypes() = default;
+  OwnedTypes(const OwnedTypes&) = delete;
+  OwnedTypes& operator=(const OwnedTypes&) = delete;
+  ~OwnedTypes() {
+    int finalized = 0;
+    if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;
+    for (MPI_Datatype& t : types) {
+      if (t != MPI_DATATYPE_NULL) MPI_Type_free(&t);
+    }
+  }
+  std::vector<MPI_Datatype> types;
+};
+
 // What an MPI collective may read or write until it completes.
 struct PendingMpi {
   std::vector<MPI_Request> requests;
   std::vector<at::Tensor> tensors;
   internal::MpiCounts send_counts;
   internal::MpiCounts recv_counts;
+  // MPI_Ialltoallw's per-peer arrays (counts, byte displacements, types).
+  std::vector<int> w_send_counts, w_send_displs, w_recv_counts, w_recv_displs;
+  std::vector<MPI_Datatype> w_send_types, w_recv_types;
+  OwnedTypes owned;
   // Runs once after all requests completed successfully (fp32 staging -> bf16).
   std::function<void()> on_success;
 };
@@ -52,8 +73,14 @@ absl::Status TestAll(std::vector<MPI_Request>& requests, bool* done) {
   return absl::OkStatus();
 }
 
-// Polls of a waiting collective before each further poll sleeps.
-constexpr int kSpinPolls = 1000;
+// How long a waiting collective is polled back to back (yielding the core
+// between polls to any thread that wants it) before each further poll
+// sleeps. Open MPI moves data only inside MPI calls, and a collective whose
+// rows are scattered (AllToAllVGather's derived datatypes) travels in many
+// fragments, each needing a poll: sleeping between polls would stretch a
+// 20 ms exchange to several times that. Waits longer than this are peers
+// that are late, where a sleeping poll leaves the core to other work.
+constexpr absl::Duration kBusyPollTime = absl::Milliseconds(500);
 
 // "12 B", "4.0 KiB", "1.5 MiB": sizes for messages.
 std::string FormatBytes(int64_t bytes) {
@@ -106,18 +133,22 @@ class MpiWork final : public Work {
       Finish(WaitAll(pending_->requests));
       return status_;
     }
-    const absl::Time deadline = absl::Now() + timeout;
-    for (int num_polls = 1; !IsCompleted(); ++num_polls) {
-      if (absl::Now() >= deadline) {
+    const absl::Time start = absl::Now();
+    const absl::Time deadline = start + timeout;
+    const absl::Time busy_until = start + kBusyPollTime;
+    while (!IsCompleted()) {
+      const absl::Time now = absl::Now();
+      if (now >= deadline) {
         return absl::DeadlineExceededError(absl::StrCat(what_, " did not finish within ",
                                                         absl::FormatDuration(timeout),
                                                         "; a peer is late, stuck or gone"));
       }
-      // Polling keeps MPI progressing. The first polls come back to back, as
-      // inside MPI_Waitall, so that a collective about to finish is not
-      // delayed; after them, 50 us of sleep costs little next to the
-      // collective and leaves the core to the rank's other threads.
-      if (num_polls > kSpinPolls) absl::SleepFor(absl::Microseconds(50));
+      // Polling keeps MPI progressing (see kBusyPollTime).
+      if (now < busy_until) {
+        std::this_thread::yield();
+      } else {
+        absl::SleepFor(absl::Microseconds(50));
+      }
     }
     return status_;
   }
@@ -321,6 +352,73 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
                                         pending.send_counts.displacements.data(), row_type.get(),
                                         recv.data_ptr(), pending.recv_counts.counts.data(),
                                         pending.recv_counts.displacements.data(), row_type.get(),
+                                        comm_, &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
+}
+
+std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
+                                                       const at::Tensor& send_rows,
+                                                       absl::Span<const int64_t> send_row_counts,
+                                                       const at::Tensor& recv,
+                                                       absl::Span<const int64_t> recv_row_counts) {
+  internal::CheckAllToAllVGather(*this, src, send_rows, send_row_counts, recv, recv_row_counts);
+  const int64_t row_bytes = internal::RowBytes(src);
+  const std::string what =
+      WorkName("AllToAllVGather", send_rows.numel() * row_bytes, recv.nbytes());
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
+    if (row_bytes == 0) return absl::OkStatus();
+    internal::ScopedRowType row_type;
+    if (absl::Status status = row_type.Init(row_bytes, "AllToAllVGather"); !status.ok())
+      return status;
+    const int peers = size();
+    pending.tensors = {src, send_rows, recv};
+    pending.w_send_counts.assign(peers, 0);
+    pending.w_recv_counts.assign(peers, 0);
+    // Offsets live in the datatypes (MPI_Aint bytes), so the int
+    // displacements of MPI_Ialltoallw stay 0 and no byte offset must fit an
+    // int.
+    pending.w_send_displs.assign(peers, 0);
+    pending.w_recv_displs.assign(peers, 0);
+    pending.w_send_types.assign(peers, row_type.get());
+    pending.w_recv_types.assign(peers, row_type.get());
+    const int64_t* rows = send_rows.data_ptr<int64_t>();
+    std::vector<MPI_Aint> offsets;
+    int64_t sent = 0, received = 0;
+    for (int peer = 0; peer < peers; ++peer) {
+      const int64_t n_send = send_row_counts[peer], n_recv = recv_row_counts[peer];
+      if (n_send > INT_MAX || n_recv > INT_MAX) {
+        return absl::OutOfRangeError(
+            absl::StrCat(what, ": more than INT_MAX rows for rank ", peer));
+      }
+      if (n_send > 0) {
+        // The rows for this peer, where they lie in src.
+        offsets.resize(n_send);
+        for (int64_t i = 0; i < n_send; ++i) offsets[i] = rows[sent + i] * row_bytes;
+        MPI_Datatype& t = pending.owned.types.emplace_back(MPI_DATATYPE_NULL);
+        MOEFIT_CHECK_FOREIGN(MPI_Type_create_hindexed_block(static_cast<int>(n_send), 1,
+                                                            offsets.data(), row_type.get(), &t));
+        MOEFIT_CHECK_FOREIGN(MPI_Type_commit(&t));
+        pending.w_send_types[peer] = t;
+        pending.w_send_counts[peer] = 1;
+      }
+      if (n_recv > 0) {
+        // One run of rows at this peer's place in recv.
+        const MPI_Aint offset = received * row_bytes;
+        MPI_Datatype& t = pending.owned.types.emplace_back(MPI_DATATYPE_NULL);
+        MOEFIT_CHECK_FOREIGN(MPI_Type_create_hindexed_block(1, static_cast<int>(n_recv), &offset,
+                                                            row_type.get(), &t));
+        MOEFIT_CHECK_FOREIGN(MPI_Type_commit(&t));
+        pending.w_recv_types[peer] = t;
+        pending.w_recv_counts[peer] = 1;
+      }
+      sent += n_send;
+      received += n_recv;
+    }
+    MOEFIT_CHECK_FOREIGN(MPI_Ialltoallw(src.data_ptr(), pending.w_send_counts.data(),
+                                        pending.w_send_displs.data(), pending.w_send_types.data(),
+                                        recv.data_ptr(), pending.w_recv_counts.data(),
+                                        pending.w_recv_displs.data(), pending.w_recv_types.data(),
                                         comm_, &pending.requests.emplace_back()));
     return absl::OkStatus();
   });

@@ -10,6 +10,8 @@
 //
 // How tensors travel:
 //   * rows (AllToAllV, AllGather(V)) as one contiguous derived datatype per
+//     row (AllToAllVGather: per peer, the rows it gets as one datatype of
+//     rows at their byte offsets in the source, for MPI_Ialltoallw),
 //     row, so counts and displacements are in rows: int-sized MPI arrays limit
 //     a call to INT_MAX rows per peer and in total, and exceeding it fails with
 //     OutOfRange instead of wrapping;
@@ -66,6 +68,12 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> AllToAllV(const at::Tensor& send, absl::Span<const int64_t> send_row_counts,
                                   const at::Tensor& recv,
                                   absl::Span<const int64_t> recv_row_counts) override;
+  // Rows sent from where they lie in src: MPI_Ialltoallw with one indexed
+  // datatype per peer.
+  std::shared_ptr<Work> AllToAllVGather(const at::Tensor& src, const at::Tensor& send_rows,
+                                        absl::Span<const int64_t> send_row_counts,
+                                        const at::Tensor& recv,
+                                        absl::Span<const int64_t> recv_row_counts) override;
   std::shared_ptr<Work> AllReduce(const at::Tensor& tensor, ReduceOp op) override;
   std::shared_ptr<Work> AllGather(const at::Tensor& send, const at::Tensor& recv) override;
   std::shared_ptr<Work> AllGatherV(const at::Tensor& send, const at::Tensor& recv,

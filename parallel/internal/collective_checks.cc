@@ -83,6 +83,30 @@ void CheckAllToAllV(const Communicator& comm, const at::Tensor& send,
               " rows but expects ", recv_row_counts[comm.rank()], " from itself");
 }
 
+void CheckAllToAllVGather(const Communicator& comm, const at::Tensor& src,
+                          const at::Tensor& send_rows, absl::Span<const int64_t> send_row_counts,
+                          const at::Tensor& recv, absl::Span<const int64_t> recv_row_counts) {
+  constexpr std::string_view kOp = "AllToAllVGather";
+  CheckBuffer(comm, kOp, "src", src);
+  CheckBuffer(comm, kOp, "recv", recv);
+  CheckSameRows(comm, kOp, src, recv);
+  TORCH_CHECK(send_rows.dim() == 1 && send_rows.scalar_type() == at::kLong && send_rows.is_cpu() &&
+                  send_rows.is_contiguous(),
+              kOp, " on ", comm.name(),
+              ": send_rows must be a contiguous 1-d int64 host tensor, got ",
+              send_rows.scalar_type(), " ", send_rows.sizes(), " on ", send_rows.device());
+  CheckCounts(comm, kOp, "send_row_counts", send_row_counts, send_rows.size(0));
+  CheckCounts(comm, kOp, "recv_row_counts", recv_row_counts, recv.size(0));
+  TORCH_CHECK(send_row_counts[comm.rank()] == recv_row_counts[comm.rank()], kOp, " on ",
+              comm.name(), ": this rank sends itself ", send_row_counts[comm.rank()],
+              " rows but expects ", recv_row_counts[comm.rank()], " from itself");
+  const int64_t* rows = send_rows.data_ptr<int64_t>();
+  const auto [lo, hi] = std::minmax_element(rows, rows + send_rows.numel());
+  TORCH_CHECK(send_rows.numel() == 0 || (*lo >= 0 && *hi < src.size(0)), kOp, " on ", comm.name(),
+              ": send_rows picks rows outside src's ", src.size(0), " (from ",
+              send_rows.numel() == 0 ? 0 : *lo, " to ", send_rows.numel() == 0 ? 0 : *hi, ")");
+}
+
 void CheckAllReduce(const Communicator& comm, const at::Tensor& tensor) {
   CheckBuffer(comm, "AllReduce", "tensor", tensor);
   TORCH_CHECK(!tensor.is_complex() && tensor.scalar_type() != at::kBool, "AllReduce on ",

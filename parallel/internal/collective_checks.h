@@ -30,6 +30,11 @@ void CheckAllToAllCounts(const Communicator& comm, const at::Tensor& send_counts
 void CheckAllToAllV(const Communicator& comm, const at::Tensor& send,
                     absl::Span<const int64_t> send_row_counts, const at::Tensor& recv,
                     absl::Span<const int64_t> recv_row_counts);
+// AllToAllVGather: the AllToAllV checks with `src` as the rows' source, and
+// send_rows [sum(send_row_counts)] int64 on the host within src's rows.
+void CheckAllToAllVGather(const Communicator& comm, const at::Tensor& src,
+                          const at::Tensor& send_rows, absl::Span<const int64_t> send_row_counts,
+                          const at::Tensor& recv, absl::Span<const int64_t> recv_row_counts);
 void CheckAllReduce(const Communicator& comm, const at::Tensor& tensor);
 void CheckAllGather(const Communicator& comm, const at::Tensor& send, const at::Tensor& recv);
 void CheckAllGatherV(const Communicator& comm, const at::Tensor& send, const at::Tensor& recv,

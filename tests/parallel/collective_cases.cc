@@ -146,6 +146,42 @@ void CheckAllToAllV(Communicator& comm, at::ScalarType dtype,
   ExpectSameTensor(recv, expected, what);
 }
 
+void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
+                          const std::vector<int64_t>& trailing_shape) {
+  const int num_ranks = comm.size();
+  const int rank = comm.rank();
+  const std::string what = absl::StrCat("AllToAllVGather of ", c10::toString(dtype), " rows ",
+                                        ShapeText(trailing_shape), " on rank ", rank);
+  std::vector<RowBlock> send_blocks, expected_blocks;
+  std::vector<int64_t> send_row_counts, recv_row_counts;
+  for (int peer_idx = 0; peer_idx < num_ranks; ++peer_idx) {
+    send_blocks.push_back({rank, peer_idx, RowCount(rank, peer_idx)});
+    expected_blocks.push_back({peer_idx, rank, RowCount(peer_idx, rank)});
+    send_row_counts.push_back(RowCount(rank, peer_idx));
+    recv_row_counts.push_back(RowCount(peer_idx, rank));
+  }
+  const at::Tensor send = MakeRows(send_blocks, trailing_shape, dtype, comm.device());
+  const int64_t n = send.size(0);
+  // The source: the rows to send reversed, twice over; row i to send is
+  // picked from the first copy for even i and from the second for odd i.
+  const at::Tensor src = at::cat({send.flip({0}), send.flip({0})});
+  at::Tensor send_rows = at::empty({n}, at::kLong);
+  for (int64_t i = 0; i < n; ++i) send_rows[i] = (n - 1 - i) + (i % 2) * n;
+  const at::Tensor expected =
+      MakeRows(expected_blocks, trailing_shape, dtype, c10::Device(c10::kCPU));
+  const at::Tensor recv = at::full(expected.sizes(), 255, On(comm, dtype));
+  ExpectOk(comm.AllToAllVGather(src, send_rows, send_row_counts, recv, recv_row_counts), what);
+  ExpectSameTensor(recv, expected, what);
+  // A pick outside the source fails on this rank before anything is posted.
+  if (n > 0) {
+    at::Tensor outside = send_rows.clone();
+    outside[0] = src.size(0);
+    EXPECT_THROW(comm.AllToAllVGather(src, outside, send_row_counts, recv, recv_row_counts),
+                 c10::Error)
+        << what;
+  }
+}
+
 void CheckAllReduce(Communicator& comm, at::ScalarType dtype, ReduceOp op) {
   const int num_ranks = comm.size();
   const int rank = comm.rank();

@@ -32,6 +32,10 @@ int64_t RowCount(int src, int dst);
 void CheckAllToAllCounts(Communicator& comm, int64_t counts_per_peer);
 void CheckAllToAllV(Communicator& comm, at::ScalarType dtype,
                     const std::vector<int64_t>& trailing_shape);
+// The same rows picked from a source that holds each of them twice, out of
+// order (AllToAllVGather); and a pick outside the source is refused.
+void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
+                          const std::vector<int64_t>& trailing_shape);
 void CheckAllReduce(Communicator& comm, at::ScalarType dtype, ReduceOp op);
 void CheckAllGather(Communicator& comm, at::ScalarType dtype,
                     const std::vector<int64_t>& trailing_shape);

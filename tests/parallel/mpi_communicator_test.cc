@@ -131,6 +131,13 @@ TEST(MpiCommunicator, AllToAllV) {
   }
 }
 
+TEST(MpiCommunicator, AllToAllVGather) {
+  for (const at::ScalarType dtype : RowDtypes()) {
+    for (const std::vector<int64_t>& trailing_shape : TrailingShapes())
+      CheckAllToAllVGather(*World(), dtype, trailing_shape);
+  }
+}
+
 TEST(MpiCommunicator, AllReduce) {
   for (const at::ScalarType dtype :
        {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kInt, at::kDouble}) {

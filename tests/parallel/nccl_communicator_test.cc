@@ -57,6 +57,13 @@ TEST_F(NcclCommunicatorTest, AllToAllV) {
   }
 }
 
+TEST_F(NcclCommunicatorTest, AllToAllVGather) {
+  for (const at::ScalarType dtype : RowDtypes()) {
+    for (const std::vector<int64_t>& trailing_shape : TrailingShapes())
+      CheckAllToAllVGather(*comm_, dtype, trailing_shape);
+  }
+}
+
 TEST_F(NcclCommunicatorTest, AllReduce) {
   for (const at::ScalarType dtype :
        {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kInt, at::kDouble}) {

@@ -1,9 +1,6 @@
 // The deduplicated all-to-all dispatcher (RouterParallel remapping); see
 // dispatcher.h.
 #include <ATen/ATen.h>
-#include <torch/csrc/autograd/custom_function.h>
-
-#include <numeric>
 
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
@@ -16,112 +13,6 @@ namespace moefit::parallel {
 namespace {
 
 using internal::RowRelation;
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-int64_t Sum(const std::vector<int64_t>& v) {
-  return std::accumulate(v.begin(), v.end(), int64_t{0});
-}
-
-// The rows of `src` that a relation's members are (member m: src row
-// slot[m] / f), in member order: what each row sends.
-at::Tensor SourceRows(const RowRelation& rel) {
-  return at::div(rel.slot, rel.members.size(1), "floor").contiguous();
-}
-
-at::Tensor RowsLike(const at::Tensor& x, int64_t rows) {
-  std::vector<int64_t> shape = x.sizes().vec();
-  shape[0] = rows;
-  return at::empty(shape, x.options());
-}
-
-void SaveRoute(AutogradContext* ctx, Communicator* comm, const RowRelation& rel,
-               const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-  ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
-  ctx->saved_data["members"] = rel.members;
-  ctx->saved_data["slot"] = rel.slot;
-  ctx->saved_data["send"] = send;
-  ctx->saved_data["recv"] = recv;
-  // Named by a watchdog report from the backward, which may run elsewhere.
-  ctx->saved_data["layer"] = CurrentLayer();
-  ctx->saved_data["phase"] = reinterpret_cast<int64_t>(CurrentPhase());
-}
-
-// The pieces SaveRoute kept, with the forward's progress restored for the
-// backward's collective.
-struct SavedRoute {
-  explicit SavedRoute(AutogradContext* ctx)
-      : comm(reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt())),
-        rel{ctx->saved_data["members"].toTensor(), ctx->saved_data["slot"].toTensor()},
-        send(ctx->saved_data["send"].toIntVector()),
-        recv(ctx->saved_data["recv"].toIntVector()),
-        layer(ctx->saved_data["layer"].toInt()),
-        phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()), /*backward=*/true) {}
-  Communicator* comm;
-  RowRelation rel;
-  std::vector<int64_t> send, recv;
-  ScopedLayer layer;
-  ScopedPhase phase;
-};
-
-// Each token's row to every rank its relation's members go to: an
-// all-to-all of the rows the members stand for, read where they lie in x
-// (Communicator::AllToAllVGather: no gathered copy). Backward: the reverse
-// all-to-all, then each token sums its rows' gradients.
-class SendRowsFn : public torch::autograd::Function<SendRowsFn> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
-                            const at::Tensor& members, const at::Tensor& slot,
-                            const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    const RowRelation rel{members, slot};
-    SaveRoute(ctx, comm, rel, send, recv);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    at::Tensor out = RowsLike(x, Sum(recv));
-    comm->AllToAllVGather(x.contiguous(), SourceRows(rel), send, out, recv)->WaitOrThrow();
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const SavedRoute r(ctx);
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    const at::Tensor grad = grads[0].contiguous();
-    at::Tensor back = RowsLike(grad, Sum(r.send));
-    r.comm->AllToAllV(grad, r.recv, back, r.send)->WaitOrThrow();
-    return {internal::Collect(back, r.rel).to(dtype),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor(),
-            at::Tensor()};
-  }
-};
-
-// The partial outputs back to their tokens' ranks, each token summing its
-// rows there. Backward: each token's gradient goes to every rank it came
-// from, read where it lies (AllToAllVGather).
-class ReturnRowsFn : public torch::autograd::Function<ReturnRowsFn> {
- public:
-  // send/recv: this rank's rows out (the partials) and back (the relation's
-  // members).
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& partial, Communicator* comm,
-                            const at::Tensor& members, const at::Tensor& slot,
-                            const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    const RowRelation rel{members, slot};
-    SaveRoute(ctx, comm, rel, send, recv);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(partial.scalar_type());
-    const at::Tensor in = partial.contiguous();
-    at::Tensor back = RowsLike(in, Sum(recv));
-    comm->AllToAllV(in, send, back, recv)->WaitOrThrow();
-    return internal::Collect(back, rel);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const SavedRoute r(ctx);
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    const at::Tensor grad = grads[0].to(dtype).contiguous();
-    at::Tensor out = RowsLike(grad, Sum(r.send));
-    r.comm->AllToAllVGather(grad, SourceRows(r.rel), r.recv, out, r.send)->WaitOrThrow();
-    return {out, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
 
 struct AllToAllRoute final : Route {
   std::vector<int64_t> send_pairs, recv_pairs;  // rows per peer
@@ -159,10 +50,8 @@ class AllToAllDispatcher final : public Dispatcher {
 
     // The rows (read where they lie in x), their routing weights and their
     // experts' local indices.
-    at::Tensor rows = SendRowsFn::apply(x, ep_.get(), route->home.members, route->home.slot,
-                                        route->send_pairs, route->recv_pairs);
-    route->weights = SendRowsFn::apply(topk_weight, ep_.get(), route->home.members,
-                                       route->home.slot, route->send_pairs, route->recv_pairs);
+    at::Tensor rows = SendRows(*ep_, x, route->home, route->send_pairs, route->recv_pairs);
+    route->weights = SendRows(*ep_, topk_weight, route->home, route->send_pairs, route->recv_pairs);
     at::Tensor local = at::empty({rows.size(0), k}, at::kLong);
     ep_->AllToAllV(routes.local_expert, route->send_pairs, local, route->recv_pairs)->WaitOrThrow();
 
@@ -200,8 +89,7 @@ class AllToAllDispatcher final : public Dispatcher {
     // Each received row's weighted sum over the experts it visited here, sent
     // back and summed over the ranks it went to.
     at::Tensor partial = internal::Collect(y, route.remote, route.weights);
-    return ReturnRowsFn::apply(partial, ep_.get(), route.home.members, route.home.slot,
-                               route.recv_pairs, route.send_pairs);
+    return ReturnRows(*ep_, partial, route.home, route.recv_pairs, route.send_pairs);
   }
 
  private:

@@ -44,6 +44,27 @@ at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vec
   return sum.narrow(0, begin, rows[comm.rank()]).clone();
 }
 
+// The rows of `src` a relation's members stand for (member m: src row
+// slot[m] / f), in member order.
+at::Tensor SourceRows(const internal::RowRelation& rel) {
+  return at::div(rel.slot, rel.members.size(1), "floor").contiguous();
+}
+
+// Each member's row of x to its rank, read where it lies (AllToAllVGather).
+at::Tensor RunSendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& rel,
+                       const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  at::Tensor in = x.contiguous();
+  at::Tensor out = at::empty(Shape(in, Sum(recv)), in.options());
+  comm.AllToAllVGather(in, SourceRows(rel), send, out, recv)->WaitOrThrow();
+  return out;
+}
+
+// Rows back from the ranks, each group of the relation summing its members.
+at::Tensor RunReturnRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& rel,
+                         const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  return internal::Collect(RunAllToAll(comm, x, send, recv), rel);
+}
+
 // The layer and phase of the forward collective, so that a watchdog report
 // from its backward (run later, maybe on autograd's thread) names them too.
 void SaveProgress(AutogradContext* ctx) {
@@ -51,24 +72,87 @@ void SaveProgress(AutogradContext* ctx) {
   ctx->saved_data["phase"] = reinterpret_cast<int64_t>(CurrentPhase());
 }
 
-class AllToAllRowsFn : public torch::autograd::Function<AllToAllRowsFn> {
+// What SaveProgress kept, current for the lifetime of a backward.
+class BackwardProgress {
+ public:
+  explicit BackwardProgress(AutogradContext* ctx)
+      : layer_(ctx->saved_data["layer"].toInt()),
+        phase_(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
+               /*backward=*/true) {}
+
+ private:
+  ScopedLayer layer_;
+  ScopedPhase phase_;
+};
+
+Communicator* SavedComm(AutogradContext* ctx) {
+  return reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+}
+
+// The route SendRowsFn and ReturnRowsFn keep: the relation and the per-peer
+// row counts of their forward.
+void SaveRoute(AutogradContext* ctx, Communicator* comm, const internal::RowRelation& rel,
+               const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+  ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
+  SaveProgress(ctx);
+  ctx->saved_data["members"] = rel.members;
+  ctx->saved_data["slot"] = rel.slot;
+  ctx->saved_data["send"] = send;
+  ctx->saved_data["recv"] = recv;
+}
+
+internal::RowRelation SavedRelation(AutogradContext* ctx) {
+  return {ctx->saved_data["members"].toTensor(), ctx->saved_data["slot"].toTensor()};
+}
+
+// SendRows and ReturnRows are each other's transposes: each one's backward
+// is the other's forward along the opposite route.
+class SendRowsFn : public torch::autograd::Function<SendRowsFn> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
+                            const at::Tensor& members, const at::Tensor& slot,
                             const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
-    SaveProgress(ctx);
-    ctx->saved_data["send"] = send;
-    ctx->saved_data["recv"] = recv;
-    return RunAllToAll(*comm, x, send, recv);
+    const internal::RowRelation rel{members, slot};
+    SaveRoute(ctx, comm, rel, send, recv);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return RunSendRows(*comm, x, rel, send, recv);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
-    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
-    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
-                            /*backward=*/true);
-    return {RunAllToAll(*comm, grads[0], ctx->saved_data["recv"].toIntVector(),
-                        ctx->saved_data["send"].toIntVector()),
-            at::Tensor(), at::Tensor(), at::Tensor()};
+    const BackwardProgress progress(ctx);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {
+        RunReturnRows(*SavedComm(ctx), grads[0], SavedRelation(ctx),
+                      ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector())
+            .to(dtype),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
+  }
+};
+
+class ReturnRowsFn : public torch::autograd::Function<ReturnRowsFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
+                            const at::Tensor& members, const at::Tensor& slot,
+                            const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+    const internal::RowRelation rel{members, slot};
+    SaveRoute(ctx, comm, rel, send, recv);
+    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
+    return RunReturnRows(*comm, x, rel, send, recv);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const BackwardProgress progress(ctx);
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {
+        RunSendRows(*SavedComm(ctx), grads[0].to(dtype), SavedRelation(ctx),
+                    ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector()),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor(),
+        at::Tensor()};
   }
 };
 
@@ -82,12 +166,9 @@ class AllGatherRowsFn : public torch::autograd::Function<AllGatherRowsFn> {
     return RunAllGather(*comm, x, rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
-    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
-    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
-                            /*backward=*/true);
-    return {RunSumKeepOwn(*comm, grads[0], ctx->saved_data["rows"].toIntVector()), at::Tensor(),
-            at::Tensor()};
+    const BackwardProgress progress(ctx);
+    return {RunSumKeepOwn(*SavedComm(ctx), grads[0], ctx->saved_data["rows"].toIntVector()),
+            at::Tensor(), at::Tensor()};
   }
 };
 
@@ -101,21 +182,25 @@ class SumKeepOwnRowsFn : public torch::autograd::Function<SumKeepOwnRowsFn> {
     return RunSumKeepOwn(*comm, x, rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
-    const ScopedLayer layer(ctx->saved_data["layer"].toInt());
-    const ScopedPhase phase(reinterpret_cast<const char*>(ctx->saved_data["phase"].toInt()),
-                            /*backward=*/true);
-    return {RunAllGather(*comm, grads[0], ctx->saved_data["rows"].toIntVector()), at::Tensor(),
-            at::Tensor()};
+    const BackwardProgress progress(ctx);
+    return {RunAllGather(*SavedComm(ctx), grads[0], ctx->saved_data["rows"].toIntVector()),
+            at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor AllToAllRows(Communicator& comm, const at::Tensor& x,
-                        const std::vector<int64_t>& send_counts,
-                        const std::vector<int64_t>& recv_counts) {
-  return AllToAllRowsFn::apply(x, &comm, send_counts, recv_counts);
+at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
+                    const std::vector<int64_t>& send_counts,
+                    const std::vector<int64_t>& recv_counts) {
+  return SendRowsFn::apply(x, &comm, relation.members, relation.slot, send_counts, recv_counts);
+}
+
+at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
+                      const internal::RowRelation& relation,
+                      const std::vector<int64_t>& send_counts,
+                      const std::vector<int64_t>& recv_counts) {
+  return ReturnRowsFn::apply(x, &comm, relation.members, relation.slot, send_counts, recv_counts);
 }
 
 at::Tensor AllGatherRows(Communicator& comm, const at::Tensor& x,

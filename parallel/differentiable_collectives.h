@@ -1,7 +1,12 @@
 // Collectives as autograd functions: the backward of each is the collective
 // that sends gradients back along the opposite route.
 //
-//   AllToAllRows:     rows to peers by counts; backward = the reverse all-to-all.
+//   SendRows:         each member row of a row relation (row_ops.h) to its
+//                     rank, read where it lies in x; backward = ReturnRows
+//                     of the gradients along the opposite route.
+//   ReturnRows:       rows back from the ranks, each group of the relation
+//                     summing its members; backward = SendRows of the
+//                     gradients along the opposite route.
 //   AllGatherRows:    every rank gets all ranks' rows; backward = sum the
 //                     gradient over ranks (all-reduce) and keep this rank's rows.
 //   SumKeepOwnRows:   element-wise sum over ranks, keep this rank's rows;
@@ -17,13 +22,25 @@
 #include <vector>
 
 #include "parallel/communicator.h"
+#include "parallel/internal/row_ops.h"
 
 namespace moefit::parallel {
 
-// x: [sum(send_counts), ...] -> [sum(recv_counts), ...].
-at::Tensor AllToAllRows(Communicator& comm, const at::Tensor& x,
-                        const std::vector<int64_t>& send_counts,
-                        const std::vector<int64_t>& recv_counts);
+// x: [groups, ...] -> [sum(recv_counts), ...]: member m of `relation` (sent
+// in member order, send_counts[p] of them to rank p) is x's row slot[m] / f,
+// sent from where it lies (Communicator::AllToAllVGather), in x's dtype.
+at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
+                    const std::vector<int64_t>& send_counts,
+                    const std::vector<int64_t>& recv_counts);
+
+// x: [sum(send_counts), ...] -> [groups, ...]: the rows come back as the
+// relation's members (recv_counts[p] from rank p) and each group gets the sum
+// of its members (internal::Collect, in x's dtype promoted to at least
+// float32).
+at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
+                      const internal::RowRelation& relation,
+                      const std::vector<int64_t>& send_counts,
+                      const std::vector<int64_t>& recv_counts);
 
 // x: [row_counts[rank], ...] -> [sum(row_counts), ...] in rank order.
 at::Tensor AllGatherRows(Communicator& comm, const at::Tensor& x,

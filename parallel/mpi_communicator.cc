@@ -372,7 +372,7 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
     if (absl::Status status = row_type.Init(row_bytes, "AllToAllVGather"); !status.ok())
       return status;
     const int peers = size();
-    pending.tensors = {src, send_rows, recv};
+    pending.tensors = {src, recv};  // send_rows is read into the datatypes below
     pending.w_send_counts.assign(peers, 0);
     pending.w_recv_counts.assign(peers, 0);
     // Offsets live in the datatypes (MPI_Aint bytes), so the int

@@ -10,11 +10,11 @@
 //
 // How tensors travel:
 //   * rows (AllToAllV, AllGather(V)) as one contiguous derived datatype per
-//     row (AllToAllVGather: per peer, the rows it gets as one datatype of
-//     rows at their byte offsets in the source, for MPI_Ialltoallw),
 //     row, so counts and displacements are in rows: int-sized MPI arrays limit
 //     a call to INT_MAX rows per peer and in total, and exceeding it fails with
-//     OutOfRange instead of wrapping;
+//     OutOfRange instead of wrapping; AllToAllVGather sends each peer its
+//     rows as one datatype of rows at their byte offsets in the source
+//     (MPI_Ialltoallw), at most INT_MAX rows per peer;
 //   * AllReduce in the tensor's own MPI type; bf16 and fp16, which MPI has no
 //     type for, are reduced in fp32 staging copies and rounded back once at the
 //     end, which is also more accurate than rounding after every partial sum

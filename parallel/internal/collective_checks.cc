@@ -41,6 +41,15 @@ void CheckCounts(const Communicator& comm, std::string_view op, std::string_view
               Total(counts), " rows but the tensor has ", rows);
 }
 
+// What a rank sends itself is what it expects from itself.
+void CheckSelfRows(const Communicator& comm, std::string_view op,
+                   absl::Span<const int64_t> send_row_counts,
+                   absl::Span<const int64_t> recv_row_counts) {
+  TORCH_CHECK(send_row_counts[comm.rank()] == recv_row_counts[comm.rank()], op, " on ", comm.name(),
+              ": this rank sends itself ", send_row_counts[comm.rank()], " rows but expects ",
+              recv_row_counts[comm.rank()], " from itself");
+}
+
 }  // namespace
 
 int64_t RowBytes(const at::Tensor& tensor) {
@@ -78,9 +87,7 @@ void CheckAllToAllV(const Communicator& comm, const at::Tensor& send,
   CheckSameRows(comm, kOp, send, recv);
   CheckCounts(comm, kOp, "send_row_counts", send_row_counts, send.size(0));
   CheckCounts(comm, kOp, "recv_row_counts", recv_row_counts, recv.size(0));
-  TORCH_CHECK(send_row_counts[comm.rank()] == recv_row_counts[comm.rank()], kOp, " on ",
-              comm.name(), ": this rank sends itself ", send_row_counts[comm.rank()],
-              " rows but expects ", recv_row_counts[comm.rank()], " from itself");
+  CheckSelfRows(comm, kOp, send_row_counts, recv_row_counts);
 }
 
 void CheckAllToAllVGather(const Communicator& comm, const at::Tensor& src,
@@ -97,9 +104,7 @@ void CheckAllToAllVGather(const Communicator& comm, const at::Tensor& src,
               send_rows.scalar_type(), " ", send_rows.sizes(), " on ", send_rows.device());
   CheckCounts(comm, kOp, "send_row_counts", send_row_counts, send_rows.size(0));
   CheckCounts(comm, kOp, "recv_row_counts", recv_row_counts, recv.size(0));
-  TORCH_CHECK(send_row_counts[comm.rank()] == recv_row_counts[comm.rank()], kOp, " on ",
-              comm.name(), ": this rank sends itself ", send_row_counts[comm.rank()],
-              " rows but expects ", recv_row_counts[comm.rank()], " from itself");
+  CheckSelfRows(comm, kOp, send_row_counts, recv_row_counts);
   const int64_t* rows = send_rows.data_ptr<int64_t>();
   const auto [lo, hi] = std::minmax_element(rows, rows + send_rows.numel());
   TORCH_CHECK(send_rows.numel() == 0 || (*lo >= 0 && *hi < src.size(0)), kOp, " on ", comm.name(),

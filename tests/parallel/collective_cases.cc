@@ -110,6 +110,29 @@ void CheckAllToAllCounts(Communicator& comm, int64_t counts_per_peer) {
   ExpectSameTensor(recv, expected, what);
 }
 
+namespace {
+
+// This rank's side of the all-to-all cases: the rows it sends each peer and
+// the rows it should receive from each.
+struct AllToAllPlan {
+  std::vector<RowBlock> send_blocks, expected_blocks;
+  std::vector<int64_t> send_row_counts, recv_row_counts;
+};
+
+AllToAllPlan AllToAllPlanOf(const Communicator& comm) {
+  AllToAllPlan plan;
+  const int rank = comm.rank();
+  for (int peer_idx = 0; peer_idx < comm.size(); ++peer_idx) {
+    plan.send_blocks.push_back({rank, peer_idx, RowCount(rank, peer_idx)});
+    plan.expected_blocks.push_back({peer_idx, rank, RowCount(peer_idx, rank)});
+    plan.send_row_counts.push_back(RowCount(rank, peer_idx));
+    plan.recv_row_counts.push_back(RowCount(peer_idx, rank));
+  }
+  return plan;
+}
+
+}  // namespace
+
 void CheckAllToAllV(Communicator& comm, at::ScalarType dtype,
                     const std::vector<int64_t>& trailing_shape) {
   const int num_ranks = comm.size();
@@ -118,49 +141,30 @@ void CheckAllToAllV(Communicator& comm, at::ScalarType dtype,
                                         ShapeText(trailing_shape), " on rank ", rank);
 
   // The dispatch pattern: exchange counts first, then size recv from them.
-  std::vector<RowBlock> send_blocks;
-  std::vector<RowBlock> expected_blocks;
-  at::Tensor send_counts = at::empty({num_ranks}, at::kLong);
-  std::vector<int64_t> send_row_counts;
-  std::vector<int64_t> expected_recv_row_counts;
-  for (int peer_idx = 0; peer_idx < num_ranks; ++peer_idx) {
-    send_blocks.push_back({rank, peer_idx, RowCount(rank, peer_idx)});
-    expected_blocks.push_back({peer_idx, rank, RowCount(peer_idx, rank)});
-    send_counts[peer_idx] = RowCount(rank, peer_idx);
-    send_row_counts.push_back(RowCount(rank, peer_idx));
-    expected_recv_row_counts.push_back(RowCount(peer_idx, rank));
-  }
+  const AllToAllPlan plan = AllToAllPlanOf(comm);
+  const at::Tensor send_counts = at::tensor(plan.send_row_counts, at::kLong);
   const at::Tensor recv_counts = at::empty({num_ranks}, On(comm, at::kLong));
   ExpectOk(comm.AllToAllCounts(send_counts.to(comm.device()), recv_counts), what + " (counts)");
   const at::Tensor recv_counts_cpu = recv_counts.cpu();
   const std::vector<int64_t> recv_row_counts(recv_counts_cpu.data_ptr<int64_t>(),
                                              recv_counts_cpu.data_ptr<int64_t>() + num_ranks);
-  EXPECT_EQ(recv_row_counts, expected_recv_row_counts) << what;
+  EXPECT_EQ(recv_row_counts, plan.recv_row_counts) << what;
 
-  const at::Tensor send = MakeRows(send_blocks, trailing_shape, dtype, comm.device());
+  const at::Tensor send = MakeRows(plan.send_blocks, trailing_shape, dtype, comm.device());
   const at::Tensor expected =
-      MakeRows(expected_blocks, trailing_shape, dtype, c10::Device(c10::kCPU));
+      MakeRows(plan.expected_blocks, trailing_shape, dtype, c10::Device(c10::kCPU));
   // Filled with a value no row carries, so unwritten rows show.
   const at::Tensor recv = at::full(expected.sizes(), 255, On(comm, dtype));
-  ExpectOk(comm.AllToAllV(send, send_row_counts, recv, expected_recv_row_counts), what);
+  ExpectOk(comm.AllToAllV(send, plan.send_row_counts, recv, plan.recv_row_counts), what);
   ExpectSameTensor(recv, expected, what);
 }
 
 void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
                           const std::vector<int64_t>& trailing_shape) {
-  const int num_ranks = comm.size();
-  const int rank = comm.rank();
   const std::string what = absl::StrCat("AllToAllVGather of ", c10::toString(dtype), " rows ",
-                                        ShapeText(trailing_shape), " on rank ", rank);
-  std::vector<RowBlock> send_blocks, expected_blocks;
-  std::vector<int64_t> send_row_counts, recv_row_counts;
-  for (int peer_idx = 0; peer_idx < num_ranks; ++peer_idx) {
-    send_blocks.push_back({rank, peer_idx, RowCount(rank, peer_idx)});
-    expected_blocks.push_back({peer_idx, rank, RowCount(peer_idx, rank)});
-    send_row_counts.push_back(RowCount(rank, peer_idx));
-    recv_row_counts.push_back(RowCount(peer_idx, rank));
-  }
-  const at::Tensor send = MakeRows(send_blocks, trailing_shape, dtype, comm.device());
+                                        ShapeText(trailing_shape), " on rank ", comm.rank());
+  const AllToAllPlan plan = AllToAllPlanOf(comm);
+  const at::Tensor send = MakeRows(plan.send_blocks, trailing_shape, dtype, comm.device());
   const int64_t n = send.size(0);
   // The source: the rows to send reversed, twice over; row i to send is
   // picked from the first copy for even i and from the second for odd i.
@@ -168,16 +172,18 @@ void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
   at::Tensor send_rows = at::empty({n}, at::kLong);
   for (int64_t i = 0; i < n; ++i) send_rows[i] = (n - 1 - i) + (i % 2) * n;
   const at::Tensor expected =
-      MakeRows(expected_blocks, trailing_shape, dtype, c10::Device(c10::kCPU));
+      MakeRows(plan.expected_blocks, trailing_shape, dtype, c10::Device(c10::kCPU));
   const at::Tensor recv = at::full(expected.sizes(), 255, On(comm, dtype));
-  ExpectOk(comm.AllToAllVGather(src, send_rows, send_row_counts, recv, recv_row_counts), what);
+  ExpectOk(comm.AllToAllVGather(src, send_rows, plan.send_row_counts, recv, plan.recv_row_counts),
+           what);
   ExpectSameTensor(recv, expected, what);
   // A pick outside the source fails on this rank before anything is posted.
   if (n > 0) {
     at::Tensor outside = send_rows.clone();
     outside[0] = src.size(0);
-    EXPECT_THROW(comm.AllToAllVGather(src, outside, send_row_counts, recv, recv_row_counts),
-                 c10::Error)
+    EXPECT_THROW(
+        comm.AllToAllVGather(src, outside, plan.send_row_counts, recv, plan.recv_row_counts),
+        c10::Error)
         << what;
   }
 }

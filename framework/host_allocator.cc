@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 namespace moefit::framework {
@@ -28,6 +29,12 @@ size_t SizeClass(size_t n) {
   return size;
 }
 
+class CachingHostAllocator;
+CachingHostAllocator* Instance();
+
+// Every pointer it hands out is its own deleter's context (as the default
+// allocator's are), so that LibTorch's raw_allocate / raw_deallocate -- which
+// oneDNN's kernels use for their scratch memory -- work through it too.
 class CachingHostAllocator final : public c10::Allocator {
  public:
   explicit CachingHostAllocator(c10::Allocator* fallback) : fallback_(fallback) {}
@@ -48,11 +55,14 @@ class CachingHostAllocator final : public c10::Allocator {
       }
     }
     if (p == nullptr) p = SystemAlloc(size);
-    auto* block = new Block{this, p, size};
-    return {p, block, &Free, c10::Device(c10::DeviceType::CPU)};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      live_.emplace(p, size);
+    }
+    return {p, p, &Free, c10::Device(c10::DeviceType::CPU)};
   }
 
-  c10::DeleterFnPtr raw_deleter() const override { return nullptr; }
+  c10::DeleterFnPtr raw_deleter() const override { return &Free; }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     default_copy_data(dest, src, count);
@@ -64,20 +74,21 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
  private:
-  struct Block {
-    CachingHostAllocator* owner;
-    void* data;
-    size_t size;
-  };
-
-  static void Free(void* ctx) {
-    auto* block = static_cast<Block*>(ctx);
+  // A block of this cache goes back to it; anything else (a small
+  // allocation raw_allocate took from the fallback) to the fallback.
+  static void Free(void* p) {
+    CachingHostAllocator& self = *Instance();
     {
-      std::lock_guard<std::mutex> lock(block->owner->mu_);
-      block->owner->free_[block->size].push_back(block->data);
-      block->owner->stats_.cached_bytes += static_cast<int64_t>(block->size);
+      std::lock_guard<std::mutex> lock(self.mu_);
+      const auto it = self.live_.find(p);
+      if (it != self.live_.end()) {
+        self.free_[it->second].push_back(p);
+        self.stats_.cached_bytes += static_cast<int64_t>(it->second);
+        self.live_.erase(it);
+        return;
+      }
     }
-    delete block;
+    self.fallback_->raw_deleter()(p);
   }
 
   void* SystemAlloc(size_t size) {
@@ -104,6 +115,7 @@ class CachingHostAllocator final : public c10::Allocator {
   c10::Allocator* fallback_;
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // size class -> free blocks
+  std::unordered_map<void*, size_t> live_;     // blocks in use -> their size class
   HostAllocatorStats stats_;
 };
 

@@ -1,10 +1,14 @@
 // The caching host allocator: large tensors reuse freed blocks of their size
 // class, small ones are left to the default allocator, contents are the
-// tensors' own, and switching back leaves earlier tensors valid.
+// tensors' own, switching back leaves earlier tensors valid, and LibTorch's
+// raw allocations (oneDNN's scratch memory) go through it and back.
 #include "framework/host_allocator.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
 #include <gtest/gtest.h>
+
+#include <cstring>
 
 namespace moefit::framework {
 namespace {
@@ -59,6 +63,29 @@ TEST_F(HostAllocatorTest, TensorsKeepTheirValuesAcrossReuseAndSwitching) {
   at::Tensor again = at::ones({4 << 20}, at::kFloat);
   EXPECT_TRUE(again.data_ptr() == keep_block || again.data_ptr() == scratch_block);
   EXPECT_EQ(again.sum().item<double>(), static_cast<double>(4 << 20));
+}
+
+TEST_F(HostAllocatorTest, RawAllocationsOfEverySizeComeBack) {
+  c10::Allocator* allocator = c10::GetCPUAllocator();
+  const HostAllocatorStats before = GetHostAllocatorStats();
+  for (const size_t n : {size_t{64}, size_t{3} << 20}) {
+    void* p = allocator->raw_allocate(n);
+    ASSERT_NE(p, nullptr);
+    std::memset(p, 1, n);
+    allocator->raw_deallocate(p);
+  }
+  // The large one went back to the cache, and is handed out again.
+  EXPECT_EQ(GetHostAllocatorStats().allocations - before.allocations, 1);
+  EXPECT_GE(GetHostAllocatorStats().cached_bytes, 4 << 20);
+  void* again = allocator->raw_allocate(size_t{3} << 20);
+  EXPECT_EQ(GetHostAllocatorStats().reused - before.reused, 1);
+  allocator->raw_deallocate(again);
+  // A bfloat16 product, which takes oneDNN's path (and its raw scratch).
+  const at::Tensor a = at::randn({256, 512}).to(at::kBFloat16);
+  const at::Tensor b = at::randn({512, 768}).to(at::kBFloat16);
+  const at::Tensor want = at::matmul(a.to(at::kFloat), b.to(at::kFloat));
+  EXPECT_LT((at::matmul(a, b).to(at::kFloat) - want).abs().max().item<float>(),
+            0.02 * want.abs().max().item<float>());
 }
 
 }  // namespace

@@ -207,4 +207,44 @@ absl::StatusOr<at::Tensor> DequantizeBlockFp8Reference(const at::Tensor& weight,
   }
 }
 
+absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizeBlockFp8(const at::Tensor& weight,
+                                                                   std::array<int64_t, 2> block) {
+  if (block[0] <= 0 || block[1] <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 block size must be positive, got [", block[0], ", ", block[1], "]"));
+  }
+  if (weight.dim() != 2 && weight.dim() != 3) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 quantization takes 2-D weights or [E, rows, cols] stacks, this one is ",
+                     ShapeString(weight.sizes())));
+  }
+  if (!at::isFloatingType(weight.scalar_type()) || IsFp8Dtype(weight.scalar_type())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 quantization of a ", c10::toString(weight.scalar_type()), " weight"));
+  }
+  constexpr double kE4m3Max = 448.0;
+  try {
+    const bool stacked = weight.dim() == 3;
+    const at::Tensor w = (stacked ? weight : weight.unsqueeze(0)).to(at::kFloat);
+    const int64_t rows = w.size(1), cols = w.size(2);
+    const std::vector<int64_t> grid = BlockScaleShape({rows, cols}, block);
+    // Zero-padded to whole blocks: [E, row blocks, B0, column blocks, B1].
+    const at::Tensor padded =
+        at::constant_pad_nd(w, {0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows});
+    const at::Tensor amax =
+        padded.view({w.size(0), grid[0], block[0], grid[1], block[1]}).abs().amax({2, 4});
+    const at::Tensor scale = at::where(amax > 0, amax / kE4m3Max, at::ones_like(amax));
+    const at::Tensor full = scale.repeat_interleave(block[0], 1)
+                                .repeat_interleave(block[1], 2)
+                                .narrow(1, 0, rows)
+                                .narrow(2, 0, cols);
+    at::Tensor fp8 = (w / full).clamp(-kE4m3Max, kE4m3Max).to(at::kFloat8_e4m3fn);
+    if (!stacked) return std::make_pair(fp8.squeeze(0), scale.squeeze(0));
+    return std::make_pair(std::move(fp8), scale);
+  } catch (const c10::Error& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 quantization: ", e.what_without_backtrace()));
+  }
+}
+
 }  // namespace moefit::checkpoint

@@ -1,4 +1,5 @@
-// Block-scaled FP8 weights (DeepSeek-V3 / Kimi-K2 checkpoints), widened to a training dtype.
+// Block-scaled FP8 weights (DeepSeek-V3 / Kimi-K2 checkpoints): widened to a
+// training dtype, or kept as they are for frozen experts.
 //
 // DeepSeek-V3 and Kimi-K2 publish every Linear weight except the router, the
 // embeddings and the LM head as
@@ -9,7 +10,9 @@
 //   fp8(r, c) * scale_inv[r / B0][c / B1]
 // and sizes need not be multiples of the block: the last block of a row or
 // column is partial. moefit trains in fp32 / bf16, so the loader widens these
-// weights as it reads them.
+// weights as it reads them -- except a frozen base's routed experts, which may
+// stay FP8 (the loader then reads the bytes and the scales as they are, and the
+// expert kernels convert block by block as they multiply).
 //
 // Both functions below compute the same thing: the product in fp32, rounded
 // once to the destination dtype. DequantizeBlockFp8Into is the loader's: one
@@ -27,6 +30,7 @@
 #include <array>
 #include <cstdint>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -66,5 +70,15 @@ absl::StatusOr<at::Tensor> DequantizeBlockFp8Reference(const at::Tensor& weight,
                                                        const at::Tensor& scale_inv,
                                                        std::array<int64_t, 2> block,
                                                        at::ScalarType dtype);
+
+// Quantizes `weight` (2-D, or 3-D as [E, rows, cols]: each [rows, cols]
+// matrix on its own) to float8_e4m3fn with one float32 scale per block, as
+// DeepSeek-V3's checkpoints were made: scale_inv = amax(|block|) / 448 (1 for
+// an all-zero block) and fp8 = round(weight / scale_inv). Returns {fp8,
+// scale_inv} with scale_inv [.., ceil(rows / block[0]), ceil(cols / block[1])].
+// For weights drawn at random where no checkpoint gives them (tests,
+// benchmarks, a model started from scratch with frozen FP8 experts).
+absl::StatusOr<std::pair<at::Tensor, at::Tensor>> QuantizeBlockFp8(const at::Tensor& weight,
+                                                                   std::array<int64_t, 2> block);
 
 }  // namespace moefit::checkpoint

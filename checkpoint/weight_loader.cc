@@ -208,6 +208,9 @@ struct TargetPlan {
   int64_t num_rows = -1;
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
+  // The `_scale_inv` grid of a target kept in FP8: the same rule applied to
+  // its sources' scales (`keys` are the scales' names).
+  bool scales = false;
 };
 
 // Copies `src` into `dst` (same shape), converting the dtype if they differ;
@@ -268,7 +271,13 @@ class Loader {
     MOEFIT_ASSIGN_OR_RETURN(files_, CheckpointDir::Scan(dir_));
     MOEFIT_RETURN_IF_ERROR(MatchKeys());
     MOEFIT_RETURN_IF_ERROR(SelectTargets());
-    for (TargetPlan* plan : wanted_) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+    // Weights first: a scale target is planned only where its weight planned well.
+    for (TargetPlan* plan : wanted_) {
+      if (!plan->scales) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+    }
+    for (TargetPlan* plan : wanted_) {
+      if (plan->scales) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+    }
     report_.num_files_opened = files_->num_opened();
     SortNames(report_.missing);
     SortNames(report_.unexpected);
@@ -397,7 +406,8 @@ class Loader {
       return absl::OkStatus();
     }
     for (const auto& [name, expected] : options_.expected) {
-      const auto it = targets_.find(name);
+      auto it = targets_.find(name);
+      if (it == targets_.end()) it = AddScaleTarget(name);
       if (it == targets_.end()) {
         ReportMissingTarget(name);
       } else {
@@ -413,9 +423,34 @@ class Loader {
     return absl::OkStatus();
   }
 
+  // `<X>_scale_inv` where the model keeps target X in FP8: a target of X's
+  // rule over the scales of X's sources. targets_.end() for any other name.
+  std::map<std::string, TargetPlan, NaturalLessCompare>::iterator AddScaleTarget(
+      const std::string& name) {
+    if (!absl::EndsWith(name, AsAbsl(kScaleInvSuffix))) return targets_.end();
+    const std::string weight = name.substr(0, name.size() - kScaleInvSuffix.size());
+    const auto weight_plan = targets_.find(weight);
+    const auto expected = options_.expected.find(weight);
+    if (weight_plan == targets_.end() || expected == options_.expected.end() ||
+        !IsFp8Dtype(expected->second.dtype)) {
+      return targets_.end();
+    }
+    TargetPlan plan = weight_plan->second;
+    plan.name = name;
+    plan.scales = true;
+    for (auto& experts : plan.keys) {
+      for (auto& [expert_idx, key] : experts) key += kScaleInvSuffix;
+    }
+    return targets_.emplace(name, std::move(plan)).first;
+  }
+
   // Stage 2 for one target: its sources on this rank and its shape.
   absl::Status Plan(TargetPlan& plan) {
     const MappingRule& rule = *plan.rule;
+    if (plan.scales) {
+      const std::string weight = plan.name.substr(0, plan.name.size() - kScaleInvSuffix.size());
+      if (targets_.at(weight).shape.empty()) return absl::OkStatus();  // its problem is named
+    }
     plan.inputs.assign(rule.sources.size(), {});
     bool complete = true;
     auto add_input = [&](size_t pattern_idx, const std::string& key) -> absl::Status {
@@ -439,10 +474,14 @@ class Loader {
       for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
         for (int64_t expert_idx = first; expert_idx < first + num; ++expert_idx) {
           const auto it = plan.keys[pattern_idx].find(expert_idx);
-          if (it == plan.keys[pattern_idx].end()) {
-            std::vector<int64_t> numbers = plan.numbers;
-            numbers.push_back(expert_idx);
-            report_.missing.push_back(rule.sources[pattern_idx].Fill(numbers));
+          // A scale plan's gaps are its weight plan's to report.
+          if (it == plan.keys[pattern_idx].end() ||
+              (plan.scales && !files_->keys().contains(it->second))) {
+            if (!plan.scales) {
+              std::vector<int64_t> numbers = plan.numbers;
+              numbers.push_back(expert_idx);
+              report_.missing.push_back(rule.sources[pattern_idx].Fill(numbers));
+            }
             complete = false;
             continue;
           }
@@ -452,8 +491,9 @@ class Loader {
     } else {
       for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
         const auto it = plan.keys[pattern_idx].find(0);
-        if (it == plan.keys[pattern_idx].end()) {
-          report_.missing.push_back(rule.sources[pattern_idx].Fill(plan.numbers));
+        if (it == plan.keys[pattern_idx].end() ||
+            (plan.scales && !files_->keys().contains(it->second))) {
+          if (!plan.scales) report_.missing.push_back(rule.sources[pattern_idx].Fill(plan.numbers));
           complete = false;
           continue;
         }
@@ -463,6 +503,7 @@ class Loader {
     for (const auto& refs : plan.inputs) {
       for (const SourceRef& ref : refs) complete &= CheckFp8(plan, ref);
     }
+    if (complete && KeptFp8(plan)) complete = CheckKeptFp8(plan);
     if (!complete) return absl::OkStatus();
 
     // Run the rule on meta tensors: the target's shape, or why it cannot be built.
@@ -560,6 +601,51 @@ class Loader {
                                                    absl::StrJoin(problems, "; ")));
   }
 
+  // Whether the model keeps `plan`'s target in an FP8 dtype (its sources'
+  // bytes as they are, their scales beside them).
+  bool KeptFp8(const TargetPlan& plan) const {
+    const auto it = options_.expected.find(plan.name);
+    return !plan.scales && it != options_.expected.end() && IsFp8Dtype(it->second.dtype);
+  }
+
+  // A target kept in FP8 is built from FP8 sources of its own dtype by a rule
+  // that copies bytes (a rename, a merge of experts, a concatenation), and
+  // every source a concatenation puts before another fills whole scale
+  // blocks, so that the sources' scale grids join into the target's.
+  bool CheckKeptFp8(const TargetPlan& plan) {
+    const at::ScalarType want = options_.expected.at(plan.name).dtype;
+    const MappingRule& rule = *plan.rule;
+    if (!HasFusedPath(rule)) {
+      report_.mismatched.push_back(absl::StrCat(plan.name, ": kept in ", c10::toString(want),
+                                                ", but its rule (", table_.file, ":", rule.line,
+                                                ") does more than place its sources' bytes"));
+      return false;
+    }
+    const int64_t concat_dim = rule.ops.size() == 2 ? rule.ops[1].dim - 1 : -1;
+    for (size_t pattern_idx = 0; pattern_idx < plan.inputs.size(); ++pattern_idx) {
+      for (const SourceRef& ref : plan.inputs[pattern_idx]) {
+        const std::optional<at::ScalarType> type = ToScalarType(ref.info->dtype);
+        if (!type || *type != want) {
+          report_.mismatched.push_back(
+              absl::StrCat(ref.info->name, ": stored as ", AsAbsl(DtypeName(ref.info->dtype)),
+                           ", but ", plan.name, " is kept in ", c10::toString(want),
+                           ", which needs sources of that dtype with block scales"));
+          return false;
+        }
+        if (concat_dim >= 0 && pattern_idx + 1 < plan.inputs.size() &&
+            ref.info->shape[concat_dim] % options_.fp8_block[concat_dim] != 0) {
+          report_.mismatched.push_back(absl::StrCat(
+              plan.name, ": kept in ", c10::toString(want), ", its part ", ref.info->name, " ",
+              ShapeString(ref.info->shape), " does not fill whole blocks of ",
+              ShapeString(options_.fp8_block), " along dim ", concat_dim,
+              ", so the parts' scales do not join into one grid"));
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
   // An FP8 source needs its scale, of the block grid's shape; a scale needs an
   // FP8 weight. Problems go to the report; false when there is one.
   bool CheckFp8(const TargetPlan& plan, const SourceRef& ref) {
@@ -650,7 +736,8 @@ class Loader {
         views[pattern_idx].push_back(std::move(view));
         bytes_read_ += SourceBytes(plan, ref).size();
         ++tensors_read_;
-        if (ref.is_fp8()) {
+        // A target kept in FP8 leaves its scales to their own target.
+        if (ref.is_fp8() && !IsFp8Dtype(plan.dtype)) {
           bytes_read_ += ref.scale_info->num_bytes();
           ++tensors_read_;
         }
@@ -723,7 +810,7 @@ class Loader {
   // right after, so resident memory grows by the targets, not the files too.
   absl::Status Place(at::Tensor dst, const at::Tensor& view, const TargetPlan& plan,
                      const SourceRef& ref) {
-    if (ref.is_fp8()) return Dequantize(dst, view, ref);
+    if (ref.is_fp8() && !IsFp8Dtype(dst.scalar_type())) return Dequantize(dst, view, ref);
     const std::span<const std::byte> bytes = SourceBytes(plan, ref);
     if (dst.is_contiguous() && dst.scalar_type() == view.scalar_type() &&
         dst.nbytes() == bytes.size()) {

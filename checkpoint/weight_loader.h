@@ -28,6 +28,12 @@
 //     (the target's dtype; BF16 when the caller names no dtype), never through
 //     an upcast copy of the file. An FP8 source without its scale is missing
 //     (the scale's name); a scale of the wrong shape is mismatched.
+//     A target the caller expects in an FP8 dtype (a frozen base's routed
+//     experts) is kept as stored instead: its bytes are read as they are, and
+//     the expected `<target>_scale_inv` (float32) is built by the same rule
+//     from the sources' scales -- experts stacked, gate and up scales joined
+//     -- which needs every source but the last of a concatenation to fill
+//     whole blocks (DeepSeek-V3's moe_intermediate_size 2048 does).
 //   - Multi-token-prediction modules stored as one more decoder layer
 //     (DeepSeek-V3's model.layers.61, GLM-4.5's model.layers.92): with
 //     skip_layers_from set, such keys are skipped by name before matching.
@@ -72,6 +78,8 @@ struct LoadOptions {
   // their stored dtype (dequantized_dtype for FP8 sources), and report
   // only incomplete targets as missing. Non-empty:
   // load exactly these; checkpoint tensors that feed nothing here are unexpected.
+  // A target expected in an FP8 dtype is kept in FP8 (see above) and may be
+  // joined by its `<target>_scale_inv`, float32 of the block grid's shape.
   std::map<std::string, ExpectedTensor> expected;
   // Block [rows, columns] of block-scaled FP8 sources (config.json's
   // quantization_config.weight_block_size): every FP8 source `X` [out, in] needs

@@ -77,8 +77,9 @@ void AddFp8(NamedTensors& shard, NamedTensors& scales, const std::string& name, 
 }
 
 // The checkpoint, as shards: [0] weights, [1] every `_scale_inv` (so a weight and
-// its scale sit in different files), [2] the MTP layer.
-std::vector<NamedTensors> DeepseekShards() {
+// its scale sit in different files), [2] the MTP layer. `inter`: the experts'
+// (and the shared expert's) intermediate size.
+std::vector<NamedTensors> DeepseekShards(int64_t inter = kInter) {
   at::manual_seed(5);
   std::vector<NamedTensors> shards(3);
   NamedTensors& weights = shards[0];
@@ -91,17 +92,17 @@ std::vector<NamedTensors> DeepseekShards() {
   weights.emplace_back(kLayer + "mlp.gate.weight",
                        at::randn({kNumExperts, kHidden}).to(at::kBFloat16));
   weights.emplace_back(kLayer + "mlp.gate.e_score_correction_bias", at::randn({kNumExperts}));
-  AddFp8(weights, scales, kLayer + "mlp.shared_experts.gate_proj.weight", kInter, kHidden);
+  AddFp8(weights, scales, kLayer + "mlp.shared_experts.gate_proj.weight", inter, kHidden);
   for (int64_t e = 0; e < kNumExperts; ++e) {
-    AddFp8(weights, scales, Expert(e, "gate_proj"), kInter, kHidden);
-    AddFp8(weights, scales, Expert(e, "up_proj"), kInter, kHidden);
-    AddFp8(weights, scales, Expert(e, "down_proj"), kHidden, kInter);
+    AddFp8(weights, scales, Expert(e, "gate_proj"), inter, kHidden);
+    AddFp8(weights, scales, Expert(e, "up_proj"), inter, kHidden);
+    AddFp8(weights, scales, Expert(e, "down_proj"), kHidden, inter);
   }
   // DeepSeek-V3's MTP module: its own projections and norms, plus a full layer.
   NamedTensors& mtp = shards[2];
   AddFp8(mtp, mtp, kMtp + "eh_proj.weight", kHidden, 2 * kHidden);
   mtp.emplace_back(kMtp + "enorm.weight", at::randn({kHidden}).to(at::kBFloat16));
-  AddFp8(mtp, mtp, kMtp + "mlp.experts.0.gate_proj.weight", kInter, kHidden);
+  AddFp8(mtp, mtp, kMtp + "mlp.experts.0.gate_proj.weight", inter, kHidden);
   return shards;
 }
 
@@ -501,6 +502,116 @@ TEST_F(Fp8LoaderTest, SkippedLayersAreNeverMatched) {
   EXPECT_EQ(loaded->size(), 3u);  // embed_tokens, norm, lm_head
   // Layer 0: 5 tensors and 2 scales outside the experts, 2 x 3 per expert; MTP: 5.
   EXPECT_EQ(report.skipped.size(), 7 + kNumExperts * 3 * 2 + 5u);
+}
+
+// A frozen base's experts kept in FP8: the model expects gate_up_proj and
+// down_proj in float8_e4m3fn with their `_scale_inv` grids, and gets the
+// checkpoint's bytes and scales as stored -- gate and up joined, this rank's
+// experts only, each byte read once, straight into the caller's tensors.
+TEST_F(Fp8LoaderTest, ExpertsKeptInFp8WithTheirScales) {
+  constexpr int64_t kAligned = 256;  // gate and up fill whole 128-row blocks
+  const std::vector<NamedTensors> shards = DeepseekShards(kAligned);
+  Write(shards);
+  const std::string gate_up = kLayer + "mlp.experts.gate_up_proj";
+  const std::string down = kLayer + "mlp.experts.down_proj";
+  std::map<std::string, ExpectedTensor> expected = Expected(at::kBFloat16, 2);
+  expected[kLayer + "mlp.shared_experts.gate_proj.weight"].shape = {kAligned, kHidden};
+  expected[gate_up] = {{2, 2 * kAligned, kHidden}, at::kFloat8_e4m3fn};
+  expected[down] = {{2, kHidden, kAligned}, at::kFloat8_e4m3fn};
+  expected[gate_up + "_scale_inv"] = {{2, 4, 2}, at::kFloat};
+  expected[down + "_scale_inv"] = {{2, 2, 2}, at::kFloat};
+  LoadOptions options{.first_expert = 2, .num_experts = 2, .num_threads = 2, .expected = expected};
+  options.skip_layers_from = 1;
+  const at::Tensor gate_up_dst = at::empty({2, 2 * kAligned, kHidden}, at::kFloat8_e4m3fn);
+  const at::Tensor scale_dst = at::empty({2, 4, 2});
+  options.destinations = {{gate_up, gate_up_dst}, {gate_up + "_scale_inv", scale_dst}};
+  LoadReport report;
+  absl::StatusOr<TensorMap> loaded = LoadCheckpoint(dir_, "deepseek_v3", options, &report);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_TRUE(report.ok()) << report.ProblemSummary();
+  EXPECT_TRUE(loaded->at(gate_up).is_same(gate_up_dst));
+  EXPECT_TRUE(loaded->at(gate_up + "_scale_inv").is_same(scale_dst));
+  for (int64_t e = 0; e < 2; ++e) {
+    SCOPED_TRACE(e);
+    const std::string gate = Expert(2 + e, "gate_proj"), up = Expert(2 + e, "up_proj");
+    const std::string d = Expert(2 + e, "down_proj");
+    EXPECT_TRUE(SameBytes(gate_up_dst[e], at::cat({Get(shards, gate), Get(shards, up)})));
+    EXPECT_TRUE(SameBytes(
+        scale_dst[e], at::cat({Get(shards, gate + "_scale_inv"), Get(shards, up + "_scale_inv")})));
+    EXPECT_TRUE(SameBytes(loaded->at(down)[e], Get(shards, d)));
+    EXPECT_TRUE(SameBytes(loaded->at(down + "_scale_inv")[e], Get(shards, d + "_scale_inv")));
+  }
+  // Dense FP8 weights are still widened to the dtype the model names.
+  EXPECT_TRUE(SameBytes(loaded->at(kLayer + "self_attn.q_a_proj.weight"),
+                        Reference(shards, kLayer + "self_attn.q_a_proj.weight", at::kBFloat16)));
+  // Every byte once: the dense tensors and their scales, this rank's experts' bytes and scales.
+  uint64_t want_bytes = 0;
+  for (size_t shard_idx = 0; shard_idx < 2; ++shard_idx) {
+    for (const auto& [name, t] : shards[shard_idx]) {
+      const bool is_expert = name.find(".mlp.experts.") != std::string::npos;
+      const bool mine = name.find(".experts.2.") != std::string::npos ||
+                        name.find(".experts.3.") != std::string::npos;
+      if (!is_expert || mine) want_bytes += t.nbytes();
+    }
+  }
+  EXPECT_EQ(report.num_bytes_read, want_bytes);
+}
+
+// What cannot be kept in FP8 is named before anything is read: a source
+// stored in another dtype, and gate/up halves whose scale blocks straddle
+// the join.
+TEST_F(Fp8LoaderTest, WhatCannotBeKeptInFp8IsNamed) {
+  Write(DeepseekShards());  // intermediate size 136: gate ends inside a block
+  std::map<std::string, ExpectedTensor> expected = Expected(at::kBFloat16, kNumExperts);
+  const std::string gate_up = kLayer + "mlp.experts.gate_up_proj";
+  expected[gate_up].dtype = at::kFloat8_e4m3fn;
+  expected[gate_up + "_scale_inv"] = {{kNumExperts, 3, 2}, at::kFloat};
+  expected["model.embed_tokens.weight"].dtype = at::kFloat8_e4m3fn;
+  LoadOptions options{.expected = expected};
+  options.skip_layers_from = 1;
+  LoadReport report;
+  absl::StatusOr<TensorMap> loaded = LoadCheckpoint(dir_, "deepseek_v3", options, &report);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_THAT(report.missing, IsEmpty());
+  EXPECT_THAT(report.unexpected, IsEmpty());
+  EXPECT_THAT(report.mismatched,
+              ElementsAre(HasSubstr("model.embed_tokens.weight: stored as BF16, but "
+                                    "model.embed_tokens.weight is kept in Float8_e4m3fn"),
+                          HasSubstr(gate_up + ": kept in Float8_e4m3fn, its part " +
+                                    Expert(0, "gate_proj") +
+                                    " [136, 200] does not fill whole "
+                                    "blocks of [128, 128] along dim 0")));
+  EXPECT_THAT(loaded.status().message(), HasSubstr("does not fill whole blocks"));
+}
+
+// The quantizer that makes FP8 experts where no checkpoint gives them is the
+// dequantizer's inverse up to FP8's rounding: each block's largest magnitude
+// becomes 448 exactly, and every value comes back within half an FP8 step.
+TEST(Fp8Test, QuantizeRoundTripsWithinFp8Precision) {
+  at::manual_seed(3);
+  const at::Tensor w = at::randn({3, 200, 136}) * 0.02;
+  w[1].narrow(0, 128, 72).narrow(1, 0, 128).zero_();  // an all-zero block keeps scale 1
+  absl::StatusOr<std::pair<at::Tensor, at::Tensor>> q = QuantizeBlockFp8(w, kBlock);
+  ASSERT_TRUE(q.ok()) << q.status();
+  const auto& [fp8, scale] = *q;
+  EXPECT_EQ(fp8.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_EQ(scale.sizes(), at::IntArrayRef({3, 2, 2}));
+  EXPECT_EQ(scale[1][1][0].item<float>(), 1.0f);
+  for (int64_t e = 0; e < 3; ++e) {
+    absl::StatusOr<at::Tensor> back =
+        DequantizeBlockFp8Reference(fp8[e], scale[e], kBlock, at::kFloat);
+    ASSERT_TRUE(back.ok()) << back.status();
+    const at::Tensor full =
+        scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1).narrow(0, 0, 200).narrow(1, 0,
+                                                                                              136);
+    // E4M3 keeps 3 mantissa bits: a relative step of 2^-3, half of it at most
+    // lost, and below the normal range (2^-6 of the scale) a fixed step of 2^-9.
+    const at::Tensor bound = at::maximum(w[e].abs() * (1.0 / 16), full * (1.0 / 1024)) + 1e-12;
+    EXPECT_TRUE(((*back - w[e]).abs() <= bound).all().item<bool>()) << e;
+    EXPECT_NEAR((fp8[e].to(at::kFloat).abs().amax()).item<float>(), 448.0f, 0.0f);
+  }
+  EXPECT_FALSE(QuantizeBlockFp8(at::zeros({4}), kBlock).ok());
+  EXPECT_FALSE(QuantizeBlockFp8(fp8, kBlock).ok());
 }
 
 }  // namespace

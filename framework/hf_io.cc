@@ -58,6 +58,8 @@ std::string DtypeName(at::ScalarType t) {
   switch (t) {
     case at::kBFloat16: return "bfloat16";
     case at::kHalf: return "float16";
+    case at::kFloat8_e4m3fn:
+      return "float8_e4m3fn";
     default: return "float32";
   }
 }
@@ -181,6 +183,12 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
 
 absl::Status SaveHfDirectory(const MoeModel& model, const std::string& dir,
                              const parallel::ProcessGroups& groups, const SaveOptions& options) {
+  if (model.runtime().expert_dtype == at::kFloat8_e4m3fn) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        dir,
+        ": the model's experts are FP8; a Hugging Face directory is written from bfloat16 "
+        "or float32 experts (experts.dtype)"));
+  }
   HfTensors in;
   in.family = model.options().model_type;
   for (const Parameter& p : model.named_tensors()) {

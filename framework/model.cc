@@ -8,9 +8,13 @@
 #include <c10/util/accumulate.h>
 
 #include <cmath>
+#include <tuple>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "checkpoint/fp8.h"
 #include "experts/expert_function.h"
+#include "experts/kernels/gemm.h"
 #include "experts/registry.h"
 #include "framework/attention.h"
 #include "framework/internal/host_transfer.h"
@@ -18,6 +22,7 @@
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
+#include "proto/status_macros.h"
 #include "router/gating.h"
 
 namespace moefit::framework {
@@ -47,6 +52,9 @@ struct MoeModel::Layer {
   // With expert_master_weights: the copies in expert_dtype the experts compute
   // with (gate_up_proj and down_proj are then the float32 masters).
   at::Tensor gate_up_compute, down_compute;
+  // FP8 experts: float32 scales per 128 x 128 block, [E_local, 2I/128, ceil(H/128)]
+  // and [E_local, ceil(H/128), I/128].
+  at::Tensor gate_up_scale, down_scale;
   experts::ExpertLora expert_lora;     // their adapters (LoRA), CPU
   // The module prefix of the MLP or shared expert(s) ("mlp", "mlp.shared_expert", ...).
   std::string mlp_name;
@@ -76,6 +84,28 @@ void DrawLoraA(at::Tensor a, uint64_t seed) {
 
 }  // namespace
 
+std::string ScaleInvName(const std::string& weight_name) {
+  return absl::StrCat(weight_name, "_scale_inv");
+}
+
+absl::Status CheckFp8Experts(const ModelOptions& o) {
+  constexpr int64_t kBlock = experts::kernels::kScaleBlock;
+  if (o.fp8_weight_block &&
+      ((*o.fp8_weight_block)[0] != kBlock || (*o.fp8_weight_block)[1] != kBlock)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("FP8 experts are multiplied in 128 x 128 scale blocks; this checkpoint's "
+                     "quantization_config.weight_block_size is [",
+                     (*o.fp8_weight_block)[0], ", ", (*o.fp8_weight_block)[1], "]"));
+  }
+  if (o.moe_intermediate_size % kBlock != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "FP8 experts need moe_intermediate_size a multiple of 128 (gate and up each fill whole "
+        "scale blocks); this model's is ",
+        o.moe_intermediate_size));
+  }
+  return absl::OkStatus();
+}
+
 MoeModel::MoeModel(const ModelOptions& options, const ModelRuntime& runtime,
                    router::ExpertPlacement placement)
     : options_(options), runtime_(runtime), placement_(std::move(placement)) {}
@@ -104,6 +134,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   } else if (rt.dense_dtype != at::kFloat) {
     return absl::InvalidArgumentError(
         "dense weights narrower than float32 are for a frozen base only (train.mode lora)");
+  }
+  if (rt.expert_dtype == at::kFloat8_e4m3fn) {
+    if (!rt.lora.enabled()) {
+      return absl::InvalidArgumentError(
+          "experts.dtype = 'float8_e4m3fn': FP8 experts are frozen, for train.mode lora only");
+    }
+    MOEFIT_RETURN_IF_ERROR(CheckFp8Experts(options));
+  } else if (rt.expert_dtype != at::kFloat && rt.expert_dtype != at::kBFloat16) {
+    return absl::InvalidArgumentError(absl::StrCat("experts in ", c10::toString(rt.expert_dtype),
+                                                   ": float32, bfloat16 or float8_e4m3fn"));
   }
   // Masters only where there is something narrower to master and to train.
   model->runtime_.expert_master_weights =
@@ -150,11 +190,35 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       runtime_.expert_master_weights ? at::kFloat : runtime_.expert_dtype;
   // Under LoRA the base is frozen, and its matrices may stay narrow.
   const bool trained = !runtime_.lora.enabled();
+  // Frozen FP8 experts: each weight followed by its block scales.
+  const bool fp8 = runtime_.expert_dtype == at::kFloat8_e4m3fn;
+  constexpr int64_t kBlock = experts::kernels::kScaleBlock;
+  at::Tensor fp8_scale;  // the scales of the FP8 expert weight `add` made last
   // `matrix`: a dense matrix stored in dense_dtype (else float32: norms, biases, routers).
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool normal, bool decay,
                  bool expert, bool matrix = false) {
     const at::ScalarType dense_dtype = matrix ? runtime_.dense_dtype : at::kFloat;
     at::Tensor t;
+    if (expert && fp8) {
+      // Drawn as float32, then quantized per block; the scales join the parameters.
+      at::Tensor scale;
+      if (random) {
+        auto quantized = checkpoint::QuantizeBlockFp8(
+            RandnRows(shape, first_expert, num_local, o.initializer_range, at::kFloat, gen),
+            {kBlock, kBlock});
+        TORCH_CHECK(quantized.ok(), name, ": ", quantized.status().ToString());
+        std::tie(t, scale) = *std::move(quantized);
+      } else {
+        shape[0] = num_local;
+        t = at::empty(shape, at::TensorOptions().dtype(at::kFloat8_e4m3fn));
+        scale = at::empty(
+            {num_local, (shape[1] + kBlock - 1) / kBlock, (shape[2] + kBlock - 1) / kBlock});
+      }
+      params_.push_back({name, t, decay, expert});
+      params_.push_back({ScaleInvName(name), scale, /*weight_decay=*/false, expert});
+      fp8_scale = scale;
+      return t;
+    }
     if (expert) {
       // This rank's experts only: never the other ranks' rows, drawn or not.
       if (random) {
@@ -242,7 +306,9 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       }
       l.gate_up_proj =
           add(p + "mlp.experts.gate_up_proj", {o.num_experts, 2 * inter, h}, true, true, true);
+      l.gate_up_scale = std::exchange(fp8_scale, {});
       l.down_proj = add(p + "mlp.experts.down_proj", {o.num_experts, h, inter}, true, true, true);
+      l.down_scale = std::exchange(fp8_scale, {});
       if (runtime_.expert_master_weights) {
         l.gate_up_compute = at::empty_like(l.gate_up_proj, runtime_.expert_dtype);
         l.down_compute = at::empty_like(l.down_proj, runtime_.expert_dtype);
@@ -387,7 +453,12 @@ void MoeModel::SetTraining(bool training) {
   }
 }
 
-void MoeModel::MergeAdapters() {
+absl::Status MoeModel::MergeAdapters() {
+  if (runtime_.expert_dtype == at::kFloat8_e4m3fn) {
+    return absl::FailedPreconditionError(
+        "adapters are folded into bfloat16 or float32 experts, not FP8 ones: build the model with "
+        "experts.dtype bfloat16 (or lora.base_dtype) to merge");
+  }
   torch::NoGradGuard no_grad;
   auto fold = [](at::Tensor w, const at::Tensor& a, const at::Tensor& b, double scaling) {
     w.copy_(w.to(at::kFloat)
@@ -407,6 +478,7 @@ void MoeModel::MergeAdapters() {
       if (el.down_a.defined()) fold(l.down_proj[e], el.down_a[e], el.down_b[e], el.scaling);
     }
   }
+  return absl::OkStatus();
 }
 
 at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequences,
@@ -436,7 +508,7 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   routing->correction_bias = l.correction_bias;
 
   // c. Activations to the host, in the experts' dtype (converted first: fewer bytes cross).
-  at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_dtype), at::kCPU);
+  at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_compute_dtype()), at::kCPU);
   // The shared expert, queued now: on a GPU it runs while the host computes the routed experts.
   at::Tensor shared;
   if (l.shared_gate.defined()) {
@@ -452,7 +524,8 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts,
                                 .row_index = rows.row_index,
                                 .row_copies = rows.row_copies};
-  experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora};
+  experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora, l.gate_up_scale,
+                                 l.down_scale};
   if (l.gate_up_compute.defined()) {
     ffn.gate_up_master = l.gate_up_proj;
     ffn.down_master = l.down_proj;

@@ -51,7 +51,10 @@ enum class Recompute {
 
 struct ModelRuntime {
   c10::Device dense_device = c10::kCPU;
-  // Storage and compute dtype of the routed experts (float32 or bfloat16).
+  // Storage dtype of the routed experts: float32, bfloat16, or (a frozen base
+  // under LoRA) float8_e4m3fn with a float32 scale per 128 x 128 block, kept
+  // as a block-scaled FP8 checkpoint stores it (CheckFp8Experts says when a
+  // model can). FP8 experts compute in bfloat16 (expert_compute_dtype()).
   at::ScalarType expert_dtype = at::kFloat;
   // Trained experts narrower than float32 keep float32 master weights: the
   // parameters are the masters (gradients and AdamW in float32), and a copy in
@@ -75,7 +78,19 @@ struct ModelRuntime {
   // "allgather", parallel/dispatcher.h).
   std::shared_ptr<parallel::Communicator> expert_group;
   std::string dispatcher = "alltoall";
+
+  // The dtype the experts' inputs and outputs travel and compute in.
+  at::ScalarType expert_compute_dtype() const {
+    return expert_dtype == at::kFloat8_e4m3fn ? at::kBFloat16 : expert_dtype;
+  }
 };
+
+// Whether `options`' routed experts can be kept in float8_e4m3fn with block
+// scales: the kernels' 128 x 128 blocks (the checkpoint's weight_block_size,
+// when it has one), and gate and up halves that each fill whole blocks
+// (moe_intermediate_size a multiple of 128), so that their scales join into
+// one grid. InvalidArgument naming the field otherwise.
+absl::Status CheckFp8Experts(const ModelOptions& options);
 
 struct Parameter {
   std::string name;   // e.g. model.layers.0.mlp.experts.gate_up_proj
@@ -83,6 +98,9 @@ struct Parameter {
   bool weight_decay = true;  // false for norms and biases
   bool expert = false;       // routed-expert weight (CPU resident; this rank's experts only)
 };
+
+// FP8 experts' block scales beside their weights: "<weight>_scale_inv".
+std::string ScaleInvName(const std::string& weight_name);
 
 // What one MoE layer's router saw in a forward pass.
 struct MoeLayerRouting {
@@ -151,7 +169,8 @@ class MoeModel {
   // Folds every adapter into its base weight (W += scaling·B·A, computed in
   // float32 and rounded once to W's dtype) and zeroes the adapters' B, so the
   // model computes the same function with the adapters folded in.
-  void MergeAdapters();
+  // FailedPrecondition with FP8 experts (nothing to fold into).
+  absl::Status MergeAdapters();
   // Rewrites the experts' compute copies from their float32 masters (with
   // expert_master_weights; a no-op otherwise): after creation and loading;
   // during training the optimizer writes them (expert_master_copies).

@@ -931,9 +931,11 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     run.runtime.expert_dtype = at::kFloat;
   } else if (e.dtype() == "bfloat16") {
     run.runtime.expert_dtype = at::kBFloat16;
+  } else if (e.dtype() == "float8_e4m3fn") {
+    run.runtime.expert_dtype = at::kFloat8_e4m3fn;
   } else {
-    return Invalid(
-        absl::StrCat("experts.dtype = '", e.dtype(), "' must be float32 or bfloat16 (or empty)"));
+    return Invalid(absl::StrCat("experts.dtype = '", e.dtype(),
+                                "' must be float32, bfloat16 or float8_e4m3fn (or empty)"));
   }
   run.experts_dtype_set = !e.dtype().empty();
   MOEFIT_RETURN_IF_ERROR(ResolveLora(c, run));

@@ -72,8 +72,8 @@ MemoryBreakdown ComputeMemoryBreakdown(const framework::MoeModel& model, int64_t
     m.gradient_bytes += static_cast<int64_t>(p.tensor.nbytes());
   }
   m.optimizer_bytes = kAdamStates * m.gradient_bytes;
-  m.activation_bytes =
-      ActivationBytesEstimate(model.options(), model.runtime().expert_dtype, micro_batch, seq_len);
+  m.activation_bytes = ActivationBytesEstimate(
+      model.options(), model.runtime().expert_compute_dtype(), micro_batch, seq_len);
   absl::StatusOr<int64_t> peak = PeakRssBytes();
   m.peak_rss_bytes = peak.ok() ? *peak : 0;
   return m;

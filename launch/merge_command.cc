@@ -27,7 +27,7 @@ absl::Status RunMerge(const std::string& base, const std::string& adapter, const
   // a float32 copy of the base.
   run.lora_base_dtype = options.dtype.value_or(base_dtype) == at::kFloat ? at::kFloat : base_dtype;
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
-  built.model->MergeAdapters();
+  MOEFIT_RETURN_IF_ERROR(built.model->MergeAdapters());
   framework::SaveOptions save;
   save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
   save.dtype = options.dtype.value_or(base_dtype);

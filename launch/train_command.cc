@@ -73,7 +73,19 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
       MOEFIT_ASSIGN_OR_RETURN(base, framework::CheckpointBaseDtype(run.model_path));
     }
     run.runtime.dense_dtype = base;
-    if (!run.experts_dtype_set) run.runtime.expert_dtype = base;
+    if (!run.experts_dtype_set) {
+      run.runtime.expert_dtype = base;
+      // A block-scaled FP8 checkpoint's experts stay FP8 where the kernels take them.
+      if (!run.lora_base_dtype && !run.model_path.empty() && run.model.fp8_weight_block) {
+        const absl::Status fp8 = framework::CheckFp8Experts(run.model);
+        if (fp8.ok()) {
+          run.runtime.expert_dtype = at::kFloat8_e4m3fn;
+        } else {
+          log << "moefit: the FP8 experts are dequantized to " << DtypeName(base) << ": "
+              << fp8.message() << std::endl;
+        }
+      }
+    }
   }
   // Weights that are loaded next are only allocated: no random draw, and the
   // loader fills the model's own tensors, so they are in memory once.

@@ -1,10 +1,12 @@
-"""Memory and step time of fine-tuning one model three ways, in one run:
+"""Memory and step time of fine-tuning one model four ways, in one run:
 full fine-tuning with float32 experts, full fine-tuning with bfloat16 experts,
-and LoRA on a frozen bfloat16 base (rank 8 on attention and every routed
-expert).
+LoRA on a frozen bfloat16 base (rank 8 on attention and every routed expert),
+and the same LoRA on the model's FP8 checkpoint, whose experts stay FP8.
 
 qwen3_moe models whose routed experts are most of their parameters are built
-by transformers with random weights and saved in bfloat16, at two expert counts
+by transformers with random weights and saved in bfloat16, and once more with
+their routed experts quantized to FP8 e4m3 in 128 x 128 blocks (as published
+FP8 checkpoints are), at two expert counts
 (--experts and half of it); `moefit train` starts from each in each mode (one
 process, the same batches). Reported per mode: the peak RSS of the run on the
 larger model (wait4's rusage of that child alone), and the bytes of peak RSS per
@@ -63,9 +65,24 @@ def run_moefit(moefit, args, sets, tmp):
     return usage.ru_maxrss * 1024, statistics.median(steps[1:]) if len(steps) > 1 else steps[0]
 
 
-def make_model(args, out):
-    """In its own process: the bf16 checkpoint; prints the parameter count."""
+def quantize_fp8(w, block=128):
+    """[rows, cols] -> (e4m3 weight, fp32 scale per block = amax / 448)."""
     import torch
+    rows, cols = w.shape
+    r, c = -(-rows // block), -(-cols // block)
+    padded = torch.nn.functional.pad(w.float(), (0, c * block - cols, 0, r * block - rows))
+    amax = padded.view(r, block, c, block).abs().amax(dim=(1, 3))
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+    full = scale.repeat_interleave(block, 0)[:rows].repeat_interleave(block, 1)[:, :cols]
+    return (w.float() / full).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def make_model(args, out):
+    """In its own process: the bf16 checkpoint, and beside it (out + "_fp8")
+    the same with FP8 routed experts; prints the parameter count."""
+    import json
+    import torch
+    from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
     cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=args.hidden, num_hidden_layers=args.layers,
                          num_attention_heads=8, num_key_value_heads=4, head_dim=args.hidden // 8,
@@ -75,6 +92,25 @@ def make_model(args, out):
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)
     model.save_pretrained(out)
+    fp8 = pathlib.Path(out + "_fp8")
+    fp8.mkdir()
+    tensors = {}
+    for name, t in model.state_dict().items():
+        if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = t.contiguous()
+            continue
+        prefix = name.rsplit(".", 1)[0]
+        for e in range(t.shape[0]):
+            parts = ({"gate_proj": t[e, :args.inter], "up_proj": t[e, args.inter:]}
+                     if name.endswith("gate_up_proj") else {"down_proj": t[e]})
+            for proj, w in parts.items():
+                key = f"{prefix}.{e}.{proj}.weight"
+                tensors[key], tensors[key + "_scale_inv"] = quantize_fp8(w)
+    save_file(tensors, str(fp8 / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((pathlib.Path(out) / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                     "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
     print(sum(t.numel() for t in model.parameters()))
 
 
@@ -113,9 +149,10 @@ def main():
         lora = ["train.mode=lora", f"lora.rank={args.rank}", "lora.alpha=32",
                 "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,experts]"]
         modes = [
-            ("LoRA r%d, bf16 base" % args.rank, lora),
-            ("full, bf16 experts", ["experts.dtype=bfloat16"]),
-            ("full, fp32 experts", ["experts.dtype=float32"]),
+            ("LoRA r%d, fp8 experts" % args.rank, lora, "_fp8"),
+            ("LoRA r%d, bf16 base" % args.rank, lora, ""),
+            ("full, bf16 experts", ["experts.dtype=bfloat16"], ""),
+            ("full, fp32 experts", ["experts.dtype=float32"], ""),
         ]
         print(f"qwen3_moe: hidden {args.hidden}, {args.layers} layers, {args.experts} experts of "
               f"{args.inter} (top-{args.top_k}): {totals[args.experts] / 1e6:.1f}M parameters, "
@@ -123,16 +160,16 @@ def main():
               f"for the slope); {args.batch} x {args.seq_len} tokens per step, {args.threads} "
               f"threads; CPU flags: {cpu_flags()}")
         results = {}
-        for name, sets in modes:
+        for name, sets, suffix in modes:
             for e in sizes:
-                common = [f"model.model_path={tmp / f'hf{e}'}", f"train.steps={args.steps}",
+                common = [f"model.model_path={tmp / f'hf{e}{suffix}'}", f"train.steps={args.steps}",
                           f"train.micro_batch_size={args.batch}", f"train.seq_len={args.seq_len}",
                           "optimizer.lr=1e-4", "schedule.warmup_steps=0"]
                 results[name, e] = run_moefit(moefit, args, common + sets, tmp)
         full_step = results["full, fp32 experts", args.experts][1]
         print(f"{'mode':24} {'peak RSS':>10} {'B/expert param (slope)':>23} {'step s':>8} "
               f"{'step / full fp32':>17}")
-        for name, _ in modes:
+        for name, *_ in modes:
             (small, _), (big, step) = results[name, sizes[0]], results[name, sizes[1]]
             slope = (big - small) / (expert_params(sizes[1]) - expert_params(sizes[0]))
             print(f"{name:24} {big / 2**30:6.2f} GiB {slope:23.2f} {step:8.2f} "
@@ -142,9 +179,11 @@ def main():
         # gradients and AdamW m, v in fp32.
         h, i, r = args.hidden, args.inter, args.rank
         adapters = 16 * r * (2 * h + 3 * i) / (3 * h * i)
-        print(f"LoRA floor: 2.00 B (bf16 weights) + {adapters:.2f} B (adapter, gradient, m, v) = "
-              f"{2 + adapters:.2f} B per expert parameter; the slope also holds allocator growth, "
-              f"which varies from run to run by a few tenths")
+        print(f"LoRA floor: 2.00 B (bf16 weights; fp8: 1.00 B) + {adapters:.2f} B (adapter, "
+              f"gradient, m, v) = {2 + adapters:.2f} B (fp8: {1 + adapters:.2f} B) per expert "
+              f"parameter; the expert kernels also keep packs of frozen weights (bfloat16 or "
+              f"float32, up to 2 GiB per process), and the slope holds allocator growth, which "
+              f"varies from run to run by a few tenths")
 
 if __name__ == "__main__":
     main()

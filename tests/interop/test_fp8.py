@@ -13,6 +13,7 @@ only its own experts' bytes, and skip the MTP layer.
 
 import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -116,3 +117,138 @@ def test_fp8_missing_scale_is_named(tool, checkpoint, tmp_path):
     assert result.returncode == 1
     assert json.loads(result.stdout)["missing"] == [dropped]
     assert dropped in result.stderr
+
+
+# A frozen base's routed experts stay FP8 under LoRA: a deepseek_v3 directory
+# as DeepSeek publishes it (every projection FP8 in 128 x 128 blocks, experts
+# per expert), with moe_intermediate_size 128 so that gate and up each fill
+# whole blocks.
+LORA_TARGETS = "[q_a_proj,kv_b_proj,o_proj,experts]"
+
+
+@pytest.fixture(scope="module")
+def fp8_deepseek(tmp_path_factory):
+    from test_reference_model import quantize_fp8
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=300, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+        max_position_embeddings=256, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=128, intermediate_size=96, first_k_dense_replace=1, n_group=2,
+        topk_group=1, num_experts_per_tok=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    model = DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20)  # spread the router: no near ties in the top-k
+    inter, block = config.moe_intermediate_size, [128, 128]
+    tensors, reference = {}, {}
+    for name, t in model.state_dict().items():
+        t = t.detach().contiguous()
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, deq_all = name.rsplit(".", 1)[0], []
+            for e in range(t.shape[0]):
+                parts = ({"gate_proj": t[e, :inter], "up_proj": t[e, inter:]}
+                         if name.endswith("gate_up_proj") else {"down_proj": t[e]})
+                deq_parts = []
+                for proj, w in parts.items():
+                    key = f"{prefix}.{e}.{proj}.weight"
+                    tensors[key], tensors[key + "_scale_inv"], deq = quantize_fp8(w.float().contiguous(), block)
+                    deq_parts.append(deq)
+                deq_all.append(torch.cat(deq_parts))
+            reference[name] = torch.stack(deq_all)
+        elif t.dim() == 2 and name.endswith("_proj.weight"):
+            tensors[name], tensors[name + "_scale_inv"], deq = quantize_fp8(t.float(), block)
+            reference[name] = deq.bfloat16().float()  # moefit keeps the frozen dense part in bf16
+        else:
+            tensors[name] = t.bfloat16() if t.dim() == 2 and "mlp.gate." not in name else t
+            reference[name] = tensors[name].float()
+    path = tmp_path_factory.mktemp("fp8_lora")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = config.to_diff_dict()  # what save_pretrained writes
+    hf_config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3",
+                                        "quant_method": "fp8", "weight_block_size": block}
+    (path / "config.json").write_text(json.dumps(hf_config))
+    model.load_state_dict(reference)
+    return path, model
+
+
+def train_lora(build_dir, model_dir, out, *extra, np=1):
+    from test_reference_model import moefit
+    metrics = out.with_suffix(".jsonl")
+    log = moefit(build_dir, "train", "--set", f"model.model_path={model_dir}", "--set", "train.steps=4",
+                 "--set", "train.seq_len=32", "--set", f"train.micro_batch_size={4 // np}",
+                 "--set", "optimizer.lr=2e-2", "--set", "schedule.warmup_steps=0",
+                 "--set", "train.mode=lora", "--set", "lora.rank=4", "--set", "lora.alpha=8",
+                 "--set", f"lora.target_modules={LORA_TARGETS}", "--set", f"checkpoint.save_dir={out}",
+                 "--set", f"logging.metrics_file={metrics}", *extra, np=np)
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return log, losses
+
+
+def test_lora_keeps_fp8_experts_as_stored(build_dir, fp8_deepseek, tmp_path):
+    """By default the experts of an FP8 checkpoint stay FP8 under LoRA (the
+    log says so, and the weights take half the bytes of bfloat16 ones); they
+    train the adapter exactly as their bfloat16 dequantization does on the
+    reference backend and within 1e-3 on the kernels; two processes train the
+    adapter of one; and PEFT puts the adapter on transformers' model of the
+    dequantized weights with moefit's logits (within 5e-3: the experts
+    compute in bfloat16)."""
+    from peft import PeftModel
+    from test_reference_model import moefit_logits
+
+    model_dir, reference = fp8_deepseek
+    log, fp8 = train_lora(build_dir, model_dir, tmp_path / "fp8")
+    assert "frozen base in bfloat16 (dense) and float8_e4m3fn (experts)" in log
+    weights = lambda text: float(re.search(r"weights ([0-9.]+) MiB", text).group(1))
+    log_bf16, bf16 = train_lora(build_dir, model_dir, tmp_path / "bf16", "--set", "experts.dtype=bfloat16")
+    assert "float8_e4m3fn" not in log_bf16
+    # Experts are most of this model: 8 x 3 x 64 x 128 per MoE layer.
+    assert weights(log) < 0.75 * weights(log_bf16), (weights(log), weights(log_bf16))
+    assert len(fp8) == 4 and fp8[-1] < fp8[0]
+    assert fp8 == pytest.approx(bf16, rel=1e-3)
+    _, fp8_eager = train_lora(build_dir, model_dir, tmp_path / "fp8_eager", "--set", "experts.backend=eager")
+    _, bf16_eager = train_lora(build_dir, model_dir, tmp_path / "bf16_eager", "--set", "experts.backend=eager",
+                               "--set", "experts.dtype=bfloat16")
+    assert fp8_eager == bf16_eager
+    _, two = train_lora(build_dir, model_dir, tmp_path / "fp8_np2", np=2)
+    assert two == pytest.approx(fp8, rel=1e-5)
+
+    adapter = tmp_path / "fp8"
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    peft_model = PeftModel.from_pretrained(reference, adapter).eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits.float()
+    got = moefit_logits(build_dir, model_dir, ids, tmp_path, "--set", f"lora.adapter_path={adapter}")
+    plain = moefit_logits(build_dir, model_dir, ids, tmp_path)
+    err = (got - expected).abs().max().item()
+    effect = (plain - expected).abs().max().item()
+    print(f"fp8 LoRA vs PEFT: max |logit difference| {err:.3g}, adapter effect {effect:.3g}")
+    assert err < 5e-3 and effect > 100 * err, (err, effect)
+
+
+def test_fp8_experts_that_cannot_stay_fp8_are_named(build_dir, checkpoint, tmp_path):
+    """experts.dtype float8_e4m3fn asked of a model whose gate and up halves do
+    not fill whole 128-row blocks (moe_intermediate_size 136) fails naming
+    the field and the size, before anything is loaded."""
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "model.safetensors").symlink_to(checkpoint[0] / "model.safetensors")
+    config = {"model_type": "deepseek_v3", "vocab_size": 300, "hidden_size": HIDDEN,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "q_lora_rank": Q_RANK,
+              "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+              "n_routed_experts": EXPERTS, "num_experts_per_tok": 2, "moe_intermediate_size": INTER,
+              "n_shared_experts": 1, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1,
+              "num_nextn_predict_layers": 1,
+              "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}}
+    (src / "config.json").write_text(json.dumps(config))
+    from test_reference_model import MPI_ENV
+    run = subprocess.run([str(build_dir / "launch/moefit"), "train", "--set", f"model.model_path={src}",
+                          "--set", "train.mode=lora", "--set", "lora.rank=4",
+                          "--set", "lora.target_modules=[experts]",
+                          "--set", "experts.dtype=float8_e4m3fn",
+                          "--set", "train.steps=1"], capture_output=True, text=True, timeout=120, env=MPI_ENV)
+    assert run.returncode != 0
+    assert "moe_intermediate_size a multiple of 128" in run.stderr and "136" in run.stderr, run.stderr

@@ -427,7 +427,7 @@ TEST(ConfigErrors, InconsistentShapes) {
   EXPECT_EQ(ErrorOf("", {"experts.backend=fast"}),
             "experts.backend = 'fast' is unknown (known: grouped, eager)");
   EXPECT_EQ(ErrorOf("", {"experts.dtype=fp8"}),
-            "experts.dtype = 'fp8' must be float32 or bfloat16 (or empty)");
+            "experts.dtype = 'fp8' must be float32, bfloat16 or float8_e4m3fn (or empty)");
   EXPECT_EQ(ErrorOf("", {"train.seq_len=4096"}),
             "train.seq_len = 4096 exceeds model.max_position_embeddings = 1024");
   EXPECT_EQ(ErrorOf("", {"optimizer.beta2=1"}), "optimizer.beta2 = 1 must be in [0, 1)");

@@ -408,10 +408,14 @@ class Loader {
     for (const auto& [name, expected] : options_.expected) {
       auto it = targets_.find(name);
       if (it == targets_.end()) it = AddScaleTarget(name);
-      if (it == targets_.end()) {
-        ReportMissingTarget(name);
-      } else {
+      if (it != targets_.end()) {
         wanted_.push_back(&it->second);
+      } else if (const std::string weight = ScaledWeight(name); targets_.contains(weight)) {
+        report_.mismatched.push_back(absl::StrCat(
+            name, ": a scale grid is loaded only beside a target expected in an FP8 dtype, and ",
+            weight, " is not"));
+      } else {
+        ReportMissingTarget(name);
       }
     }
     for (const auto& [name, plan] : targets_) {
@@ -427,8 +431,8 @@ class Loader {
   // rule over the scales of X's sources. targets_.end() for any other name.
   std::map<std::string, TargetPlan, NaturalLessCompare>::iterator AddScaleTarget(
       const std::string& name) {
-    if (!absl::EndsWith(name, AsAbsl(kScaleInvSuffix))) return targets_.end();
-    const std::string weight = name.substr(0, name.size() - kScaleInvSuffix.size());
+    const std::string weight = ScaledWeight(name);
+    if (weight.empty()) return targets_.end();
     const auto weight_plan = targets_.find(weight);
     const auto expected = options_.expected.find(weight);
     if (weight_plan == targets_.end() || expected == options_.expected.end() ||
@@ -442,6 +446,12 @@ class Loader {
       for (auto& [expert_idx, key] : experts) key += kScaleInvSuffix;
     }
     return targets_.emplace(name, std::move(plan)).first;
+  }
+
+  // `X` for a name `X_scale_inv`, else empty.
+  static std::string ScaledWeight(const std::string& name) {
+    if (!absl::EndsWith(name, AsAbsl(kScaleInvSuffix))) return "";
+    return name.substr(0, name.size() - kScaleInvSuffix.size());
   }
 
   // Stage 2 for one target: its sources on this rank and its shape.
@@ -633,7 +643,8 @@ class Loader {
           return false;
         }
         if (concat_dim >= 0 && pattern_idx + 1 < plan.inputs.size() &&
-            ref.info->shape[concat_dim] % options_.fp8_block[concat_dim] != 0) {
+            (concat_dim >= 2 ||
+             ref.info->shape[concat_dim] % options_.fp8_block[concat_dim] != 0)) {
           report_.mismatched.push_back(absl::StrCat(
               plan.name, ": kept in ", c10::toString(want), ", its part ", ref.info->name, " ",
               ShapeString(ref.info->shape), " does not fill whole blocks of ",
@@ -642,6 +653,13 @@ class Loader {
           return false;
         }
       }
+    }
+    const std::string scales = absl::StrCat(plan.name, AsAbsl(kScaleInvSuffix));
+    if (!options_.expected.contains(scales)) {
+      report_.mismatched.push_back(absl::StrCat(plan.name, ": kept in ", c10::toString(want),
+                                                ", which is read with its scales; expect ", scales,
+                                                " too"));
+      return false;
     }
     return true;
   }

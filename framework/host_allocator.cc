@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 #include <sys/mman.h>
 
+#include <atomic>
 #include <bit>
 #include <cstdlib>
 #include <map>
@@ -34,13 +35,18 @@ CachingHostAllocator* Instance();
 
 // Every pointer it hands out is its own deleter's context (as the default
 // allocator's are), so that LibTorch's raw_allocate / raw_deallocate -- which
-// oneDNN's kernels use for their scratch memory -- work through it too.
+// oneDNN's kernels use for their scratch memory -- work through it too. Once
+// installed it stays LibTorch's CPU allocator; switched off, it hands every
+// allocation to the default one, so that a raw buffer taken before the switch
+// still comes back through Free.
 class CachingHostAllocator final : public c10::Allocator {
  public:
   explicit CachingHostAllocator(c10::Allocator* fallback) : fallback_(fallback) {}
 
+  void set_enabled(bool enabled) { enabled_.store(enabled); }
+
   c10::DataPtr allocate(size_t n) override {
-    if (n < kMinCached) return fallback_->allocate(n);
+    if (n < kMinCached || !enabled_.load()) return fallback_->allocate(n);
     const size_t size = SizeClass(n);
     void* p = nullptr;
     {
@@ -57,7 +63,8 @@ class CachingHostAllocator final : public c10::Allocator {
     if (p == nullptr) p = SystemAlloc(size);
     {
       std::lock_guard<std::mutex> lock(mu_);
-      live_.emplace(p, size);
+      const bool inserted = live_.emplace(p, size).second;
+      TORCH_INTERNAL_ASSERT(inserted, "host allocator: block handed out twice");
     }
     return {p, p, &Free, c10::Device(c10::DeviceType::CPU)};
   }
@@ -113,6 +120,7 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
   c10::Allocator* fallback_;
+  std::atomic<bool> enabled_{true};
   std::mutex mu_;
   std::map<size_t, std::vector<void*>> free_;  // size class -> free blocks
   std::unordered_map<void*, size_t> live_;     // blocks in use -> their size class
@@ -128,11 +136,15 @@ CachingHostAllocator* Instance() {
 }  // namespace
 
 void UseCachingHostAllocator(bool enable) {
-  // Priority above the default's (0) so that it wins; the same priority when
-  // switching back.
-  c10::SetCPUAllocator(
-      enable ? static_cast<c10::Allocator*>(Instance()) : c10::GetDefaultCPUAllocator(),
-      /*priority=*/1);
+  // Installed once (priority above the default's 0, so that it wins) and
+  // never replaced: what it handed out, raw buffers included, always comes
+  // back to its Free.
+  static const bool installed = [] {
+    c10::SetCPUAllocator(Instance(), /*priority=*/1);
+    return true;
+  }();
+  (void)installed;
+  Instance()->set_enabled(enable);
 }
 
 HostAllocatorStats GetHostAllocatorStats() { return Instance()->stats(); }

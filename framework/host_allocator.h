@@ -23,8 +23,9 @@
 namespace moefit::framework {
 
 // Makes the caching allocator LibTorch's CPU allocator from now on (tensors
-// allocated before keep their own deleters); or, with false, the default
-// again. Idempotent; not to be called while other threads allocate.
+// allocated before keep their own deleters); with false, it passes every new
+// allocation to LibTorch's default allocator (blocks it made still come back
+// to its cache). Idempotent; not to be called while other threads allocate.
 void UseCachingHostAllocator(bool enable = true);
 
 struct HostAllocatorStats {

@@ -73,17 +73,29 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
       MOEFIT_ASSIGN_OR_RETURN(base, framework::CheckpointBaseDtype(run.model_path));
     }
     run.runtime.dense_dtype = base;
+    const bool fp8_config = !run.model_path.empty() && run.model.fp8_weight_block;
     if (!run.experts_dtype_set) {
       run.runtime.expert_dtype = base;
       // A block-scaled FP8 checkpoint's experts stay FP8 where the kernels take them.
-      if (!run.lora_base_dtype && !run.model_path.empty() && run.model.fp8_weight_block) {
+      if (!run.lora_base_dtype && fp8_config) {
+        MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
+                                framework::CheckpointExpertsAreFp8(run.model_path));
         const absl::Status fp8 = framework::CheckFp8Experts(run.model);
-        if (fp8.ok()) {
+        if (stored_fp8 && fp8.ok()) {
           run.runtime.expert_dtype = at::kFloat8_e4m3fn;
-        } else {
+        } else if (stored_fp8) {
           log << "moefit: the FP8 experts are dequantized to " << DtypeName(base) << ": "
               << fp8.message() << std::endl;
         }
+      }
+    } else if (run.runtime.expert_dtype == at::kFloat8_e4m3fn && !run.model_path.empty()) {
+      MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
+                              framework::CheckpointExpertsAreFp8(run.model_path));
+      if (!stored_fp8) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "experts.dtype = 'float8_e4m3fn' keeps the routed experts of a block-scaled FP8 "
+            "checkpoint as stored; those of ",
+            run.model_path, " are not FP8 with _scale_inv scales"));
       }
     }
   }

@@ -558,8 +558,9 @@ TEST_F(Fp8LoaderTest, ExpertsKeptInFp8WithTheirScales) {
 }
 
 // What cannot be kept in FP8 is named before anything is read: a source
-// stored in another dtype, and gate/up halves whose scale blocks straddle
-// the join.
+// stored in another dtype, gate/up halves whose scale blocks straddle the
+// join, an FP8 target whose scales the caller does not take, and scales
+// asked of a target that is not kept in FP8.
 TEST_F(Fp8LoaderTest, WhatCannotBeKeptInFp8IsNamed) {
   Write(DeepseekShards());  // intermediate size 136: gate ends inside a block
   std::map<std::string, ExpectedTensor> expected = Expected(at::kBFloat16, kNumExperts);
@@ -567,6 +568,8 @@ TEST_F(Fp8LoaderTest, WhatCannotBeKeptInFp8IsNamed) {
   expected[gate_up].dtype = at::kFloat8_e4m3fn;
   expected[gate_up + "_scale_inv"] = {{kNumExperts, 3, 2}, at::kFloat};
   expected["model.embed_tokens.weight"].dtype = at::kFloat8_e4m3fn;
+  expected[kLayer + "mlp.experts.down_proj"].dtype = at::kFloat8_e4m3fn;  // no scales expected
+  expected["model.norm.weight_scale_inv"] = {{1}, at::kFloat};
   LoadOptions options{.expected = expected};
   options.skip_layers_from = 1;
   LoadReport report;
@@ -577,10 +580,17 @@ TEST_F(Fp8LoaderTest, WhatCannotBeKeptInFp8IsNamed) {
   EXPECT_THAT(report.mismatched,
               ElementsAre(HasSubstr("model.embed_tokens.weight: stored as BF16, but "
                                     "model.embed_tokens.weight is kept in Float8_e4m3fn"),
+                          HasSubstr(kLayer +
+                                    "mlp.experts.down_proj: kept in Float8_e4m3fn, which "
+                                    "is read with its scales; expect " +
+                                    kLayer + "mlp.experts.down_proj_scale_inv too"),
                           HasSubstr(gate_up + ": kept in Float8_e4m3fn, its part " +
                                     Expert(0, "gate_proj") +
                                     " [136, 200] does not fill whole "
-                                    "blocks of [128, 128] along dim 0")));
+                                    "blocks of [128, 128] along dim 0"),
+                          HasSubstr("model.norm.weight_scale_inv: a scale grid is loaded only "
+                                    "beside a target expected in an FP8 dtype, and "
+                                    "model.norm.weight is not")));
   EXPECT_THAT(loaded.status().message(), HasSubstr("does not fill whole blocks"));
 }
 

@@ -252,3 +252,31 @@ def test_fp8_experts_that_cannot_stay_fp8_are_named(build_dir, checkpoint, tmp_p
                           "--set", "train.steps=1"], capture_output=True, text=True, timeout=120, env=MPI_ENV)
     assert run.returncode != 0
     assert "moe_intermediate_size a multiple of 128" in run.stderr and "136" in run.stderr, run.stderr
+
+
+def test_converted_checkpoint_keeps_bfloat16_experts(build_dir, fp8_deepseek, tmp_path):
+    """A bfloat16 conversion that kept config.json's quantization_config (as
+    DeepSeek's own cast script does) trains with bfloat16 experts by default;
+    asking for FP8 experts there fails naming experts.dtype and the directory."""
+    from test_reference_model import MPI_ENV
+    model_dir, _ = fp8_deepseek
+    stored = load_file(str(model_dir / "model.safetensors"))
+    converted = {}
+    for name, t in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        scale = stored.get(name + "_scale_inv")
+        converted[name] = dequantize(t, scale, torch.bfloat16) if scale is not None else t
+    out = tmp_path / "bf16"
+    out.mkdir()
+    save_file(converted, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text((model_dir / "config.json").read_text())
+    log, losses = train_lora(build_dir, out, tmp_path / "adapter")
+    assert "frozen base in bfloat16 (dense) and bfloat16 (experts)" in log and len(losses) == 4
+    run = subprocess.run([str(build_dir / "launch/moefit"), "train", "--set", f"model.model_path={out}",
+                          "--set", "train.mode=lora", "--set", "lora.rank=4",
+                          "--set", "lora.target_modules=[experts]", "--set", "train.steps=1",
+                          "--set", "experts.dtype=float8_e4m3fn"],
+                         capture_output=True, text=True, timeout=120, env=MPI_ENV)
+    assert run.returncode == 2, run.stderr
+    assert "experts.dtype = 'float8_e4m3fn'" in run.stderr and str(out) in run.stderr, run.stderr

@@ -18,8 +18,10 @@
 //
 // Numerics: products accumulate in float32. On avx512_bf16, when B is
 // bfloat16 or FP8, A is rounded to bfloat16 (round to nearest even) and FP8 x
-// scale is rounded to bfloat16 as it is packed; everywhere else every input
-// is converted exactly to float32. The summation order depends on the
+// scale is rounded to bfloat16 as it is packed (and as it is streamed for a
+// few rows, which keep A in float32), so an FP8 weight multiplies exactly as
+// its bfloat16 dequantization; everywhere else every input is converted
+// exactly to float32. The summation order depends on the
 // instruction set, not on the thread count or on the other rows.
 #pragma once
 

@@ -765,6 +765,56 @@ TEST(GroupedKernels, Fp8FrozenWeightsMatchEager) {
   }
 }
 
+// Where the kernels multiply bfloat16 pairs, frozen FP8 weights give the
+// bits of their bfloat16 dequantization (FP8 x scale rounded once), through
+// the whole layer: forward, activations, dX and the LoRA gradients, with
+// experts of a few rows (streamed) and of many (blocked, kept packs on the
+// second call).
+TEST(GroupedKernels, Fp8WeightsGiveTheBitsOfTheirBfloat16Dequantization) {
+  const ExpertProblemShape shape{"mixed", 80, 256, 256, 6, 2, RoutingPattern::kSkewed};
+  for (const kernels::Isa isa : kernels::kAllIsas) {
+    if (isa > kernels::DetectIsa() || !kernels::MultipliesInBf16(isa)) continue;
+    kernels::LimitIsa(isa);
+    for (const bool with_lora : {false, true}) {
+      const std::string what = std::string(kernels::IsaName(isa)) + (with_lora ? " lora" : " base");
+      ExpertProblem p = MakeExpertProblem(shape, at::kBFloat16, 9);
+      ExpertWeights fp8 = QuantizeFp8(p);
+      ExpertWeights bf16 = fp8;
+      auto dequantize = [](const at::Tensor& w, const at::Tensor& s) {
+        const at::Tensor full = s.repeat_interleave(128, 1)
+                                    .repeat_interleave(128, 2)
+                                    .narrow(1, 0, w.size(1))
+                                    .narrow(2, 0, w.size(2));
+        return (w.to(at::kFloat) * full).to(at::kBFloat16).contiguous();
+      };
+      bf16.gate_up_proj = dequantize(fp8.gate_up_proj, fp8.gate_up_scale);
+      bf16.down_proj = dequantize(fp8.down_proj, fp8.down_scale);
+      bf16.gate_up_scale = bf16.down_scale = at::Tensor();
+      if (with_lora) fp8.lora = bf16.lora = MakeExpertLora(shape, {.rank = 4}, at::kFloat, 10);
+      auto a = Backend("grouped");
+      auto b = Backend("grouped");
+      for (int call = 0; call < 2; ++call) {
+        at::Tensor act_a, act_b;
+        const at::Tensor ya = a->Forward(p.x, p.counts, fp8, &act_a);
+        const at::Tensor yb = b->Forward(p.x, p.counts, bf16, &act_b);
+        EXPECT_TRUE(at::equal(act_a, act_b)) << what << " call " << call;
+        EXPECT_TRUE(at::equal(ya, yb)) << what << " call " << call;
+        const BackwardOptions frozen{.base_weight_grads = false};
+        const ExpertGrads ga = a->Backward(p.grad_y, p.x, p.counts, fp8, act_a, frozen);
+        const ExpertGrads gb = b->Backward(p.grad_y, p.x, p.counts, bf16, act_b, frozen);
+        EXPECT_TRUE(at::equal(ga.x, gb.x)) << what << " call " << call;
+        if (with_lora) {
+          EXPECT_TRUE(at::equal(ga.gate_up_a, gb.gate_up_a)) << what;
+          EXPECT_TRUE(at::equal(ga.gate_up_b, gb.gate_up_b)) << what;
+          EXPECT_TRUE(at::equal(ga.down_a, gb.down_a)) << what;
+          EXPECT_TRUE(at::equal(ga.down_b, gb.down_b)) << what;
+        }
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
 // Stored rows for a problem's A rows read by index: about half as many rows
 // as A, each read up to several times, in shuffled order. Returns the stored
 // rows and the index; stored.index_select(0, index) is the rows copied out.

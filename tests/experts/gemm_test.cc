@@ -350,6 +350,46 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
 
 // The same products on every instruction set that computes them in float32
 // agree to float32 rounding: a narrower set is a twin of a wider one.
+// Where the kernels multiply bfloat16 pairs, an FP8 weight is its bfloat16
+// dequantization (FP8 x scale, rounded once): the same bits as that bfloat16
+// weight on the streamed path (a few rows) and the blocked one, for B read
+// as Wᵀ (forward) and as W (dX), with float32 and bfloat16 A. Elsewhere FP8 x
+// scale stays float32 on both paths, so a few rows and many agree to float32
+// rounding.
+TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
+  const int64_t n = 300, k = 260;  // partial scale blocks both ways
+  for (const bool transposed : {true, false}) {
+    Stored w = MakeOperand(k, n, ElemType::kF8E4M3, transposed, 21);
+    // The dequantized weight, laid out as the FP8 one.
+    const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
+                                .repeat_interleave(kScaleBlock, 1)
+                                .narrow(0, 0, w.data.size(0))
+                                .narrow(1, 0, w.data.size(1));
+    const at::Tensor deq = (w.data.to(at::kFloat) * full).to(at::kBFloat16).contiguous();
+    Operand d = w.op;
+    d.type = ElemType::kBF16;
+    d.data = deq.data_ptr();
+    d.scales = nullptr;
+    for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
+      for (const int64_t m : {1, 5, 8, 9, 40}) {
+        SCOPED_TRACE(::testing::Message()
+                     << "Wᵀ " << transposed << " A " << (a_type == ElemType::kF32 ? "f32" : "bf16")
+                     << " m " << m);
+        Stored a = MakeOperand(m, k, a_type, false, 22);
+        at::Tensor from_fp8 = at::empty({m, n}), from_bf16 = at::empty({m, n});
+        Gemm(GetParam(), m, n, k, a.op, w.op, Output{from_fp8.data_ptr(), ElemType::kF32, n},
+             false);
+        Gemm(GetParam(), m, n, k, a.op, d, Output{from_bf16.data_ptr(), ElemType::kF32, n}, false);
+        if (MultipliesInBf16(GetParam())) {
+          EXPECT_TRUE(at::equal(from_fp8, from_bf16));
+        } else {
+          EXPECT_FALSE(at::equal(from_fp8, from_bf16));  // float32 x scale, unrounded
+        }
+      }
+    }
+  }
+}
+
 TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {
   Stored a = MakeOperand(50, 300, ElemType::kBF16, false, 7);
   Stored b = MakeOperand(300, 90, ElemType::kBF16, true, 8);

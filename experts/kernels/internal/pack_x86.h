@@ -30,6 +30,14 @@ constexpr int kVl = 8;
 inline VecF MulS(VecF v, float s) { return _mm256_mul_ps(v, _mm256_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 inline VecF ZeroF() { return _mm256_setzero_ps(); }
+// Each lane rounded to bfloat16 (nearest even, as F32ToBf16) and widened
+// back; for finite values.
+inline VecF RoundBf16F(VecF v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i sum = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  return _mm256_castsi256_ps(_mm256_and_si256(sum, _mm256_set1_epi32(-65536)));
+}
 inline VecF SetF(float x) { return _mm256_set1_ps(x); }
 inline VecF FmaF(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline VecF LoadPlainF(const float* p) { return _mm256_loadu_ps(p); }
@@ -91,6 +99,14 @@ constexpr int kVl = 16;
 inline VecF MulS(VecF v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 inline VecF ZeroF() { return _mm512_setzero_ps(); }
+// Each lane rounded to bfloat16 (nearest even, as F32ToBf16) and widened
+// back; for finite values.
+inline VecF RoundBf16F(VecF v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i sum = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  return _mm512_castsi512_ps(_mm512_and_si512(sum, _mm512_set1_epi32(-65536)));
+}
 inline VecF SetF(float x) { return _mm512_set1_ps(x); }
 inline VecF FmaF(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF LoadPlainF(const float* p) { return _mm512_loadu_ps(p); }
@@ -301,14 +317,32 @@ inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumu
   }
 }
 
+// FP8 x scale of B's (k, j) block, a vector of it (w) or one element,
+// rounded to bfloat16 with kRoundFp8.
+template <bool kRoundFp8>
+inline VecF WeightF(VecF w, const Operand& b, int64_t k, int64_t j) {
+  w = MulS(w, Scale<ElemType::kF8E4M3>(b, k, j));
+  if constexpr (kRoundFp8) w = RoundBf16F(w);
+  return w;
+}
+template <ElemType T, bool kRoundFp8>
+inline float WeightValue(const Operand& b, int64_t k, int64_t j) {
+  const float w = ValueAs<T>(b, k, j);
+  if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) return Bf16ToF32(F32ToBf16(w));
+  return w;
+}
+
 // A few rows of A (at most kMaxRows: 4 or 8): the GEMM is a handful of matrix-vector
 // products, bound by reading B (the weight) once. Packing B would read and
 // write it once more, so here B is streamed straight from where it lies and
 // converted in registers, as is A, in float32 (no bfloat16 rounding of A on
-// any instruction set). Returns false, having done nothing, for layouts it
-// does not take (A with strided columns or FP8; B with neither dimension
-// contiguous).
-template <int kMaxRows>
+// any instruction set). With kRoundFp8 (the kernels that multiply bfloat16
+// pairs), FP8 x scale is rounded to bfloat16 as their packs round it, so that
+// an FP8 weight gives the same bits on this path as on the blocked one, and
+// as its bfloat16 dequantization. Returns false, having done nothing, for
+// layouts it does not take (A with strided columns or FP8; B with neither
+// dimension contiguous).
+template <int kMaxRows, bool kRoundFp8>
 bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                const Output& c, bool accumulate) {
   if (m > kMaxRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
@@ -337,7 +371,7 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
               }
               for (int j = 0; j < cols; ++j) {
                 VecF w = LoadF<T>(b.data, (j0 + j) * b.col_stride + k);
-                if constexpr (T == ElemType::kF8E4M3) w = MulS(w, Scale<T>(b, k, j0 + j));
+                if constexpr (T == ElemType::kF8E4M3) w = WeightF<kRoundFp8>(w, b, k, j0 + j);
                 for (int i = 0; i < kMaxRows; ++i) {
                   if (i < m) acc[i][j] = FmaF(x[i], w, acc[i][j]);
                 }
@@ -345,7 +379,7 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
             }
             for (; k < k_size; ++k) {
               for (int j = 0; j < cols; ++j) {
-                const float w = ValueAs<T>(b, k, j0 + j);
+                const float w = WeightValue<T, kRoundFp8>(b, k, j0 + j);
                 for (int64_t i = 0; i < m; ++i) tail[i][j] += ValueAs<TA>(a, i, k) * w;
               }
             }
@@ -377,7 +411,7 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
             const int64_t row = k * b.row_stride + j0;
             for (int64_t j = 0; j < width; j += kVl) {
               VecF w = LoadF<T>(b.data, row + j);
-              if constexpr (T == ElemType::kF8E4M3) w = MulS(w, Scale<T>(b, k, j0 + j));
+              if constexpr (T == ElemType::kF8E4M3) w = WeightF<kRoundFp8>(w, b, k, j0 + j);
               for (int i = 0; i < kMaxRows; ++i) {
                 if (i < m) StoreF(&acc[i][j], FmaF(x[i], w, LoadPlainF(&acc[i][j])));
               }
@@ -392,7 +426,9 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
         for (int64_t i = 0; i < m; ++i) {
           for (int64_t j = j0; j < n; ++j) {
             float sum = 0.0f;
-            for (int64_t k = 0; k < k_size; ++k) sum += ValueAs<TA>(a, i, k) * ValueAs<T>(b, k, j);
+            for (int64_t k = 0; k < k_size; ++k) {
+              sum += ValueAs<TA>(a, i, k) * WeightValue<T, kRoundFp8>(b, k, j);
+            }
             StoreOut(c, i, j, sum, accumulate);
           }
         }
@@ -403,11 +439,12 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
 }
 
 // SmallRows for up to 8 rows, with the register blocking of 4 or of 8.
+template <bool kRoundFp8 = false>
 inline bool SmallRowsUpTo8(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                            const Output& c, bool accumulate) {
   static_assert(kMaxStreamedRows == 8);
-  return m <= 4 ? SmallRows<4>(m, n, k_size, a, b, c, accumulate)
-                : SmallRows<8>(m, n, k_size, a, b, c, accumulate);
+  return m <= 4 ? SmallRows<4, kRoundFp8>(m, n, k_size, a, b, c, accumulate)
+                : SmallRows<8, kRoundFp8>(m, n, k_size, a, b, c, accumulate);
 }
 
 }  // namespace

@@ -136,9 +136,10 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
         "dense weights narrower than float32 are for a frozen base only (train.mode lora)");
   }
   if (rt.expert_dtype == at::kFloat8_e4m3fn) {
-    if (!rt.lora.enabled()) {
+    if (!rt.lora.enabled() && !rt.frozen_base) {
       return absl::InvalidArgumentError(
-          "experts.dtype = 'float8_e4m3fn': FP8 experts are frozen, for train.mode lora only");
+          "experts.dtype = 'float8_e4m3fn': FP8 experts are frozen, for train.mode lora (or moefit "
+          "eval) only");
     }
     MOEFIT_RETURN_IF_ERROR(CheckFp8Experts(options));
   } else if (rt.expert_dtype != at::kFloat && rt.expert_dtype != at::kBFloat16) {
@@ -189,7 +190,7 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
   const at::ScalarType expert_param_dtype =
       runtime_.expert_master_weights ? at::kFloat : runtime_.expert_dtype;
   // Under LoRA the base is frozen, and its matrices may stay narrow.
-  const bool trained = !runtime_.lora.enabled();
+  const bool trained = !runtime_.lora.enabled() && !runtime_.frozen_base;
   // Frozen FP8 experts: each weight followed by its block scales.
   const bool fp8 = runtime_.expert_dtype == at::kFloat8_e4m3fn;
   constexpr int64_t kBlock = experts::kernels::kScaleBlock;

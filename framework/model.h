@@ -51,8 +51,8 @@ enum class Recompute {
 
 struct ModelRuntime {
   c10::Device dense_device = c10::kCPU;
-  // Storage dtype of the routed experts: float32, bfloat16, or (a frozen base
-  // under LoRA) float8_e4m3fn with a float32 scale per 128 x 128 block, kept
+  // Storage dtype of the routed experts: float32, bfloat16, or (a frozen base:
+  // LoRA, or frozen_base) float8_e4m3fn with a float32 scale per 128 x 128 block, kept
   // as a block-scaled FP8 checkpoint stores it (CheckFp8Experts says when a
   // model can). FP8 experts compute in bfloat16 (expert_compute_dtype()).
   at::ScalarType expert_dtype = at::kFloat;
@@ -70,6 +70,9 @@ struct ModelRuntime {
   // LoRA fine-tuning when lora.enabled(): every base weight is frozen and only
   // the adapters are trained.
   LoraOptions lora;
+  // No base weight is trained (moefit eval): they require no gradient, and
+  // the experts may be FP8, as under LoRA.
+  bool frozen_base = false;
   Recompute recompute = Recompute::kNone;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count

@@ -31,7 +31,10 @@ absl::Status RunEval(const RunConfig& run, const EvalOptions& options,
   if (!options.save_logits.empty() && options.input_ids.empty()) {
     return absl::InvalidArgumentError("--save_logits needs --input_ids FILE (a safetensors file with \"input_ids\")");
   }
-  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
+  // Nothing is trained: FP8 experts (experts.dtype=float8_e4m3fn) may stay FP8.
+  RunConfig frozen = run;
+  frozen.runtime.frozen_base = true;
+  MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(frozen, world, log));
   std::unique_ptr<framework::MoeModel>& model = built.model;
   torch::NoGradGuard no_grad;
 

@@ -88,15 +88,17 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
               << fp8.message() << std::endl;
         }
       }
-    } else if (run.runtime.expert_dtype == at::kFloat8_e4m3fn && !run.model_path.empty()) {
-      MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
-                              framework::CheckpointExpertsAreFp8(run.model_path));
-      if (!stored_fp8) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "experts.dtype = 'float8_e4m3fn' keeps the routed experts of a block-scaled FP8 "
-            "checkpoint as stored; those of ",
-            run.model_path, " are not FP8 with _scale_inv scales"));
-      }
+    }
+  }
+  if (run.runtime.expert_dtype == at::kFloat8_e4m3fn && run.experts_dtype_set &&
+      !run.model_path.empty()) {
+    MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
+                            framework::CheckpointExpertsAreFp8(run.model_path));
+    if (!stored_fp8) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "experts.dtype = 'float8_e4m3fn' keeps the routed experts of a block-scaled FP8 "
+          "checkpoint as stored; those of ",
+          run.model_path, " are not FP8 with _scale_inv scales"));
     }
   }
   // Weights that are loaded next are only allocated: no random draw, and the

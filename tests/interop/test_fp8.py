@@ -280,3 +280,47 @@ def test_converted_checkpoint_keeps_bfloat16_experts(build_dir, fp8_deepseek, tm
                          capture_output=True, text=True, timeout=120, env=MPI_ENV)
     assert run.returncode == 2, run.stderr
     assert "experts.dtype = 'float8_e4m3fn'" in run.stderr and str(out) in run.stderr, run.stderr
+
+
+def test_eval_keeps_fp8_experts(build_dir, fp8_deepseek, tmp_path):
+    """moefit eval with experts.dtype=float8_e4m3fn holds the experts as stored
+    (fewer weight bytes than bfloat16) and computes the logits of their
+    bfloat16 dequantization: equal on the reference backend, within 1e-3 on
+    the kernels (equal where they multiply bfloat16 pairs), and two processes
+    give the logits of one."""
+    from test_reference_model import moefit
+    model_dir, _ = fp8_deepseek
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+
+    def logits(dtype, backend, np=1):
+        out = tmp_path / f"{dtype}_{backend}_{np}.safetensors"
+        log = moefit(build_dir, "eval", "--set", f"model.model_path={model_dir}",
+                     "--set", f"experts.dtype={dtype}", "--set", f"experts.backend={backend}",
+                     "--save-logits", out, "--input-ids", tmp_path / "ids.safetensors", np=np)
+        return float(re.search(r"weights ([0-9.]+) MiB", log).group(1)), load_file(str(out))["logits"]
+
+    fp8_bytes, fp8 = logits("float8_e4m3fn", "eager")
+    bf16_bytes, bf16 = logits("bfloat16", "eager")
+    assert fp8_bytes < 0.75 * bf16_bytes
+    assert torch.equal(fp8, bf16)
+    _, fp8_grouped = logits("float8_e4m3fn", "grouped")
+    _, bf16_grouped = logits("bfloat16", "grouped")
+    err = (fp8_grouped - bf16_grouped).abs().max().item()
+    print(f"eval, grouped: fp8 vs bfloat16 experts max |logit difference| {err:.3g}")
+    assert err < 1e-3
+    _, two = logits("float8_e4m3fn", "grouped", np=2)
+    assert (two - fp8_grouped).abs().max().item() < 1e-4
+
+
+def test_lora_on_fp8_experts_resumes_exactly(build_dir, fp8_deepseek, tmp_path):
+    """A LoRA run on FP8 experts stopped at a training checkpoint continues bit
+    for bit: the frozen FP8 base comes again from the checkpoint directory."""
+    model_dir, _ = fp8_deepseek
+    _, whole = train_lora(build_dir, model_dir, tmp_path / "whole", "--set", "checkpoint.save_every_steps=2")
+    step2 = tmp_path / "whole" / "step-00000002"
+    assert (step2 / "manifest.binpb").exists()
+    log, resumed = train_lora(build_dir, model_dir, tmp_path / "resumed",
+                              "--set", f"checkpoint.resume_from={step2}")
+    assert "float8_e4m3fn (experts)" in log and "resumed from" in log
+    assert len(whole) == 4 and resumed == whole[2:]

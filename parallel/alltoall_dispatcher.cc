@@ -75,7 +75,7 @@ class AllToAllDispatcher final : public Dispatcher {
 
     DispatchedRows out;
     out.rows = rows;
-    out.row_index = at::div(route->remote.slot, k, "floor");
+    out.row_index = internal::GroupOf(route->remote);
     out.row_copies = route->remote.members;
     out.counts = std::move(counts);
     out.sent_rows = sent;

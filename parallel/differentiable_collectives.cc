@@ -44,18 +44,12 @@ at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vec
   return sum.narrow(0, begin, rows[comm.rank()]).clone();
 }
 
-// The rows of `src` a relation's members stand for (member m: src row
-// slot[m] / f), in member order.
-at::Tensor SourceRows(const internal::RowRelation& rel) {
-  return at::div(rel.slot, rel.members.size(1), "floor").contiguous();
-}
-
 // Each member's row of x to its rank, read where it lies (AllToAllVGather).
 at::Tensor RunSendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& rel,
                        const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
   at::Tensor in = x.contiguous();
   at::Tensor out = at::empty(Shape(in, Sum(recv)), in.options());
-  comm.AllToAllVGather(in, SourceRows(rel), send, out, recv)->WaitOrThrow();
+  comm.AllToAllVGather(in, internal::GroupOf(rel), send, out, recv)->WaitOrThrow();
   return out;
 }
 
@@ -89,7 +83,7 @@ Communicator* SavedComm(AutogradContext* ctx) {
   return reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
 }
 
-// The route SendRowsFn and ReturnRowsFn keep: the relation and the per-peer
+// The route MoveRowsFn keeps: the relation and the per-peer
 // row counts of their forward.
 void SaveRoute(AutogradContext* ctx, Communicator* comm, const internal::RowRelation& rel,
                const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
@@ -105,9 +99,11 @@ internal::RowRelation SavedRelation(AutogradContext* ctx) {
   return {ctx->saved_data["members"].toTensor(), ctx->saved_data["slot"].toTensor()};
 }
 
-// SendRows and ReturnRows are each other's transposes: each one's backward
-// is the other's forward along the opposite route.
-class SendRowsFn : public torch::autograd::Function<SendRowsFn> {
+// SendRows (kSend) and ReturnRows are each other's transposes: each one's
+// backward is the other's forward along the opposite route, and the gradient
+// leaves in the dtype its input had.
+template <bool kSend>
+class MoveRowsFn : public torch::autograd::Function<MoveRowsFn<kSend>> {
  public:
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
                             const at::Tensor& members, const at::Tensor& slot,
@@ -115,44 +111,23 @@ class SendRowsFn : public torch::autograd::Function<SendRowsFn> {
     const internal::RowRelation rel{members, slot};
     SaveRoute(ctx, comm, rel, send, recv);
     ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    return RunSendRows(*comm, x, rel, send, recv);
+    return Move(kSend, *comm, x, rel, send, recv);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const BackwardProgress progress(ctx);
     const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {
-        RunReturnRows(*SavedComm(ctx), grads[0], SavedRelation(ctx),
-                      ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector())
-            .to(dtype),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor()};
+    at::Tensor grad =
+        Move(!kSend, *SavedComm(ctx), grads[0].to(dtype), SavedRelation(ctx),
+             ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector());
+    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
-};
 
-class ReturnRowsFn : public torch::autograd::Function<ReturnRowsFn> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
-                            const at::Tensor& members, const at::Tensor& slot,
-                            const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    const internal::RowRelation rel{members, slot};
-    SaveRoute(ctx, comm, rel, send, recv);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    return RunReturnRows(*comm, x, rel, send, recv);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const BackwardProgress progress(ctx);
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {
-        RunSendRows(*SavedComm(ctx), grads[0].to(dtype), SavedRelation(ctx),
-                    ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector()),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor(),
-        at::Tensor()};
+ private:
+  static at::Tensor Move(bool send_rows, Communicator& comm, const at::Tensor& x,
+                         const internal::RowRelation& rel, const std::vector<int64_t>& send,
+                         const std::vector<int64_t>& recv) {
+    return send_rows ? RunSendRows(comm, x, rel, send, recv)
+                     : RunReturnRows(comm, x, rel, send, recv);
   }
 };
 
@@ -193,14 +168,16 @@ class SumKeepOwnRowsFn : public torch::autograd::Function<SumKeepOwnRowsFn> {
 at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
                     const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& recv_counts) {
-  return SendRowsFn::apply(x, &comm, relation.members, relation.slot, send_counts, recv_counts);
+  return MoveRowsFn<true>::apply(x, &comm, relation.members, relation.slot, send_counts,
+                                 recv_counts);
 }
 
 at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
                       const internal::RowRelation& relation,
                       const std::vector<int64_t>& send_counts,
                       const std::vector<int64_t>& recv_counts) {
-  return ReturnRowsFn::apply(x, &comm, relation.members, relation.slot, send_counts, recv_counts);
+  return MoveRowsFn<false>::apply(x, &comm, relation.members, relation.slot, send_counts,
+                                  recv_counts);
 }
 
 at::Tensor AllGatherRows(Communicator& comm, const at::Tensor& x,

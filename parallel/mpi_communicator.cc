@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
@@ -25,6 +26,7 @@
 #include "parallel/internal/collective_checks.h"
 #include "parallel/internal/mpi_util.h"
 #include "parallel/watchdog.h"
+#include "proto/status_macros.h"
 
 namespace moefit::parallel {
 namespace {
@@ -44,6 +46,16 @@ struct OwnedTypes {
   }
   std::vector<MPI_Datatype> types;
 };
+
+// A committed datatype of `count` blocks of `rows` rows each, at byte
+// offsets `offsets`, owned by `owned` (freed with it).
+absl::StatusOr<MPI_Datatype> CommitRowBlocks(OwnedTypes& owned, int count, int rows,
+                                             const MPI_Aint* offsets, MPI_Datatype row_type) {
+  MPI_Datatype& t = owned.types.emplace_back(MPI_DATATYPE_NULL);
+  MOEFIT_CHECK_FOREIGN(MPI_Type_create_hindexed_block(count, rows, offsets, row_type, &t));
+  MOEFIT_CHECK_FOREIGN(MPI_Type_commit(&t));
+  return t;
+}
 
 // What an MPI collective may read or write until it completes.
 struct PendingMpi {
@@ -395,21 +407,17 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
         // The rows for this peer, where they lie in src.
         offsets.resize(n_send);
         for (int64_t i = 0; i < n_send; ++i) offsets[i] = rows[sent + i] * row_bytes;
-        MPI_Datatype& t = pending.owned.types.emplace_back(MPI_DATATYPE_NULL);
-        MOEFIT_CHECK_FOREIGN(MPI_Type_create_hindexed_block(static_cast<int>(n_send), 1,
-                                                            offsets.data(), row_type.get(), &t));
-        MOEFIT_CHECK_FOREIGN(MPI_Type_commit(&t));
-        pending.w_send_types[peer] = t;
+        MOEFIT_ASSIGN_OR_RETURN(pending.w_send_types[peer],
+                                CommitRowBlocks(pending.owned, static_cast<int>(n_send), 1,
+                                                offsets.data(), row_type.get()));
         pending.w_send_counts[peer] = 1;
       }
       if (n_recv > 0) {
         // One run of rows at this peer's place in recv.
         const MPI_Aint offset = received * row_bytes;
-        MPI_Datatype& t = pending.owned.types.emplace_back(MPI_DATATYPE_NULL);
-        MOEFIT_CHECK_FOREIGN(MPI_Type_create_hindexed_block(1, static_cast<int>(n_recv), &offset,
-                                                            row_type.get(), &t));
-        MOEFIT_CHECK_FOREIGN(MPI_Type_commit(&t));
-        pending.w_recv_types[peer] = t;
+        MOEFIT_ASSIGN_OR_RETURN(
+            pending.w_recv_types[peer],
+            CommitRowBlocks(pending.owned, 1, static_cast<int>(n_recv), &offset, row_type.get()));
         pending.w_recv_counts[peer] = 1;
       }
       sent += n_send;

@@ -147,21 +147,6 @@ void Pack(AutogradContext* ctx, const RowRelation& rel) {
   ctx->saved_data["slot"] = rel.slot;
 }
 
-class SpreadFn : public torch::autograd::Function<SpreadFn> {
- public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& src, const at::Tensor& members,
-                            const at::Tensor& slot) {
-    const RowRelation rel{members, slot};
-    Pack(ctx, rel);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(src.scalar_type());
-    return SpreadRows(src, rel, {}, src.scalar_type());
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {CollectRows(grads[0], Unpack(ctx), {}).to(dtype), at::Tensor(), at::Tensor()};
-  }
-};
-
 class CollectFn : public torch::autograd::Function<CollectFn> {
  public:
   // An empty `weight_or_empty` stands for weights of 1 (autograd takes no
@@ -213,10 +198,8 @@ RowRelation MakeRowRelation(at::Tensor members, int64_t num_members) {
   return {std::move(members), std::move(slot)};
 }
 
-at::Tensor Spread(const at::Tensor& src, const RowRelation& relation) {
-  TORCH_CHECK(src.dim() == 2 && src.size(0) == relation.members.size(0), "Spread: src must be [",
-              relation.members.size(0), ", H], not ", src.sizes());
-  return SpreadFn::apply(src, relation.members, relation.slot);
+at::Tensor GroupOf(const RowRelation& relation) {
+  return at::div(relation.slot, relation.members.size(1), "floor");
 }
 
 at::Tensor Collect(const at::Tensor& src, const RowRelation& relation, const at::Tensor& weight) {

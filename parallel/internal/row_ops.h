@@ -6,10 +6,11 @@
 // one group, at flat position `slot[m] = p * f + j`. The dispatchers use two:
 //   home    tokens (groups, f = ranks) and the rows they send (members, one
 //           per rank that owns one of the token's experts);
-//   remote  received rows (groups, f = top-k) and their copies, one per local
-//           expert they visit.
-// Spread and Collect are each other's transposes, which makes each one's
-// backward the other's forward.
+//   remote  received rows (groups, f = top-k) and their computation rows, one
+//           per local expert they visit (the experts read the received row
+//           by index, GroupOf).
+// Collect sums each group's members; its backward hands each member its
+// group's gradient row.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -27,9 +28,9 @@ struct RowRelation {
 // 0..num_members-1, each once). Throws c10::Error otherwise.
 RowRelation MakeRowRelation(at::Tensor members, int64_t num_members);
 
-// [M, H]: member m gets its group's row, src[slot[m] / f] (src: [P, H]), in
-// src's dtype.
-at::Tensor Spread(const at::Tensor& src, const RowRelation& relation);
+// [M] int64: the group of each member, slot[m] / f: the row of a [P, H]
+// tensor that member m stands for.
+at::Tensor GroupOf(const RowRelation& relation);
 
 // [P, H]: group p gets sum_j weight[p, j] * src[members[p, j]] (src: [M, H];
 // weight [P, f] or undefined for 1), summed in j order, in src's dtype

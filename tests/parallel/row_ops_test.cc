@@ -1,4 +1,4 @@
-// The dispatchers' row moves (Spread, Collect) against the same moves written
+// The dispatchers' row moves (GroupOf, Collect) against the same moves written
 // with LibTorch's index_select and index_add, forward and backward, in
 // float64, float32 and bfloat16, with groups of every size up to f (none
 // included) and more rows than one parallel block.
@@ -14,7 +14,7 @@ namespace {
 
 struct Case {
   RowRelation rel;
-  at::Tensor group;  // [M]: each member's group, slot / f
+  at::Tensor group;  // [M]: each member's group, from where it was placed
 };
 
 // `members` rows spread at random over the P x f slots.
@@ -25,7 +25,7 @@ Case RandomRelation(int64_t groups, int64_t f, int64_t members, uint64_t seed) {
   table.index_put_({where}, at::arange(members, at::kLong));
   Case c;
   c.rel = MakeRowRelation(table.view({groups, f}), members);
-  c.group = at::div(c.rel.slot, f, "floor");
+  c.group = at::div(where, f, "floor");
   return c;
 }
 
@@ -43,7 +43,7 @@ TEST(RowOps, MakeRowRelationRejectsBadTables) {
 
 class RowOpsTest : public ::testing::TestWithParam<at::ScalarType> {};
 
-TEST_P(RowOpsTest, SpreadAndCollectMatchIndexSelectAndIndexAdd) {
+TEST_P(RowOpsTest, GroupOfAndCollectMatchIndexSelectAndIndexAdd) {
   const at::ScalarType dtype = GetParam();
   const int64_t groups = 300, f = 4, members = 700, h = 37;
   Case c = RandomRelation(groups, f, members, 1);
@@ -54,7 +54,7 @@ TEST_P(RowOpsTest, SpreadAndCollectMatchIndexSelectAndIndexAdd) {
       at::rand({groups, f}, gen, at::kDouble).to(dtype == at::kDouble ? at::kDouble : at::kFloat);
   const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
 
-  EXPECT_TRUE(at::equal(Spread(src, c.rel), src.index_select(0, c.group)));
+  EXPECT_TRUE(at::equal(GroupOf(c.rel), c.group));
 
   const double tol = dtype == at::kDouble ? 1e-13 : 1e-5;
   at::Tensor member_weight = weight.reshape({-1}).index_select(0, c.rel.slot);
@@ -82,14 +82,14 @@ TEST_P(RowOpsTest, GradientsMatchIndexSelectAndIndexAdd) {
   at::Tensor w0 = at::rand({groups, f}, gen, at::kDouble).to(acc);
   at::Tensor up = at::randn({groups, h}, gen, at::kDouble).to(acc);
 
-  // src -> Spread -> x 1.5 -> Collect with weights, against the same chain in
+  // src -> each member's group row -> x 1.5 -> Collect with weights, against the same chain in
   // LibTorch ops; gradients of src and of the weights.
   auto run = [&](bool ours) {
     at::Tensor src = src0.clone().requires_grad_(true);
     at::Tensor w = w0.clone().requires_grad_(true);
     at::Tensor out;
     if (ours) {
-      out = Collect(Spread(src, c.rel) * 1.5, c.rel, w);
+      out = Collect(src.index_select(0, GroupOf(c.rel)) * 1.5, c.rel, w);
     } else {
       at::Tensor spread = src.index_select(0, c.group) * 1.5;
       at::Tensor mw = w.reshape({-1}).index_select(0, c.rel.slot);

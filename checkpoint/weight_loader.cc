@@ -938,6 +938,25 @@ std::string LoadReport::ProblemSummary() const {
   return out.empty() ? "no problems" : out;
 }
 
+absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family) {
+  MOEFIT_ASSIGN_OR_RETURN(MappingTable table, MappingTableFor(family));
+  MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
+  auto per_expert = [&](const std::string& key) {
+    return std::any_of(table.rules.begin(), table.rules.end(), [&](const MappingRule& rule) {
+      return rule.merges_experts() &&
+             std::any_of(rule.sources.begin(), rule.sources.end(),
+                         [&](const KeyPattern& p) { return p.Match(key).has_value(); });
+    });
+  };
+  for (const auto& [key, file_idx] : files.keys()) {
+    if (!per_expert(key)) continue;
+    MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(key));
+    return IsFp8Dtype(resolved.second->dtype) &&
+           files.keys().contains(absl::StrCat(key, AsAbsl(kScaleInvSuffix)));
+  }
+  return false;
+}
+
 absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
                                                                  std::string_view family,
                                                                  const LoadOptions& options,

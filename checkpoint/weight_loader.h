@@ -155,4 +155,13 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::file
                                                                  const LoadOptions& options = {},
                                                                  LoadReport* report = nullptr);
 
+// Whether the checkpoint in `dir` stores `family`'s routed experts
+// block-scaled FP8, as a target expected in an FP8 dtype keeps them: its
+// first per-expert weight (the first key, in natural order, of a rule that
+// merges experts) is F8_E4M3 with a `_scale_inv` beside it. false without
+// per-expert weights, or where they were converted to another dtype (a
+// bfloat16 conversion may keep config.json's quantization_config). Reads the
+// index or the files' headers, as LoadCheckpoint does, and no tensor data.
+absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family);
+
 }  // namespace moefit::checkpoint

@@ -6,7 +6,6 @@
 
 #include <filesystem>
 #include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -87,34 +86,6 @@ absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
     return at::kFloat;
   }
   return absl::InvalidArgumentError(absl::StrCat(file.string(), ": no floating weight tensor"));
-}
-
-absl::StatusOr<bool> CheckpointExpertsAreFp8(const std::string& dir) {
-  // Every key -> its file: the index's map, or the one file's header.
-  std::map<std::string, std::string> files;
-  const fs::path index = fs::path(dir) / checkpoint::kIndexFileName;
-  if (fs::exists(index)) {
-    MOEFIT_ASSIGN_OR_RETURN(checkpoint::ShardedIndex idx, checkpoint::ReadShardedIndex(index));
-    files.insert(idx.weight_map.begin(), idx.weight_map.end());
-  } else {
-    MOEFIT_ASSIGN_OR_RETURN(
-        checkpoint::SafetensorsFile f,
-        checkpoint::SafetensorsFile::Open(fs::path(dir) / checkpoint::kSingleFileName));
-    for (const checkpoint::TensorInfo& t : f.tensors()) files[t.name] = checkpoint::kSingleFileName;
-  }
-  for (const auto& [name, file] : files) {
-    const size_t at = name.find(".mlp.experts.");
-    if (at == std::string::npos || !name.ends_with("_proj.weight")) continue;
-    // Per expert: "<layer>.mlp.experts.<e>.<proj>.weight" (not a packed tensor).
-    const std::string_view rest = std::string_view(name).substr(at + 13);
-    if (rest.empty() || rest[0] < '0' || rest[0] > '9') continue;
-    MOEFIT_ASSIGN_OR_RETURN(checkpoint::SafetensorsFile f,
-                            checkpoint::SafetensorsFile::Open(fs::path(dir) / file));
-    MOEFIT_ASSIGN_OR_RETURN(const checkpoint::TensorInfo* info, f.Info(name));
-    return info->dtype == checkpoint::Dtype::kF8E4M3 &&
-           files.contains(name + std::string(checkpoint::kScaleInvSuffix));
-  }
-  return false;
 }
 
 absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {

@@ -38,13 +38,6 @@ std::string DtypeName(at::ScalarType t);
 // with FP8 dequantized to bfloat16 and float16 held as float32.
 absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir);
 
-// Whether the HF directory `dir` stores its routed experts block-scaled FP8:
-// its first per-expert weight (`...mlp.experts.<e>.<proj>.weight`, in name
-// order) is F8_E4M3 with a `_scale_inv` beside it. false for a
-// checkpoint without per-expert weights, or whose experts were converted
-// (a bfloat16 conversion may keep config.json's quantization_config).
-absl::StatusOr<bool> CheckpointExpertsAreFp8(const std::string& dir);
-
 // Loads the weights of the HF directory `dir` into `model`. Missing,
 // unexpected or mis-shaped tensors fail with one message naming them. Host
 // tensors (the routed experts; the dense part on a CPU run) are filled in

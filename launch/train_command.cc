@@ -13,6 +13,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/training_manifest.h"
+#include "checkpoint/weight_loader.h"
 #include "experts/kernels/isa.h"
 #include "framework/adapter_io.h"
 #include "framework/data.h"
@@ -78,8 +79,8 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
       run.runtime.expert_dtype = base;
       // A block-scaled FP8 checkpoint's experts stay FP8 where the kernels take them.
       if (!run.lora_base_dtype && fp8_config) {
-        MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
-                                framework::CheckpointExpertsAreFp8(run.model_path));
+        MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8, checkpoint::ExpertsStoredAsFp8(
+                                                           run.model_path, run.model.model_type));
         const absl::Status fp8 = framework::CheckFp8Experts(run.model);
         if (stored_fp8 && fp8.ok()) {
           run.runtime.expert_dtype = at::kFloat8_e4m3fn;
@@ -93,7 +94,7 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   if (run.runtime.expert_dtype == at::kFloat8_e4m3fn && run.experts_dtype_set &&
       !run.model_path.empty()) {
     MOEFIT_ASSIGN_OR_RETURN(const bool stored_fp8,
-                            framework::CheckpointExpertsAreFp8(run.model_path));
+                            checkpoint::ExpertsStoredAsFp8(run.model_path, run.model.model_type));
     if (!stored_fp8) {
       return absl::InvalidArgumentError(absl::StrCat(
           "experts.dtype = 'float8_e4m3fn' keeps the routed experts of a block-scaled FP8 "

@@ -125,6 +125,25 @@ at::Tensor Reference(const std::vector<NamedTensors>& shards, const std::string&
   return out.ok() ? *out : at::Tensor();
 }
 
+// What a rank owning experts 2 and 3 reads of the checkpoint's layer shards
+// ([0] and [1]; not the MTP layer's): the dense tensors (FP8 weights with
+// their scales) and its own experts' weights and scales. Bytes, tensors.
+std::pair<uint64_t, int64_t> ReadByRankOfExperts23(const std::vector<NamedTensors>& shards) {
+  uint64_t bytes = 0;
+  int64_t tensors = 0;
+  for (size_t shard_idx = 0; shard_idx < 2; ++shard_idx) {
+    for (const auto& [name, t] : shards[shard_idx]) {
+      const bool is_expert = name.find(".mlp.experts.") != std::string::npos;
+      const bool mine = name.find(".experts.2.") != std::string::npos ||
+                        name.find(".experts.3.") != std::string::npos;
+      if (is_expert && !mine) continue;
+      bytes += t.nbytes();
+      ++tensors;
+    }
+  }
+  return {bytes, tensors};
+}
+
 class Fp8LoaderTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -309,19 +328,7 @@ TEST_F(Fp8LoaderTest, RankReadsOnlyItsExpertsFp8BytesAndScales) {
   absl::StatusOr<TensorMap> full = LoadCheckpoint(dir_, "deepseek_v3", full_options);
   ASSERT_TRUE(full.ok()) << full.status();
 
-  // Dense tensors (FP8 weights with their scales) plus experts 2 and 3 only.
-  uint64_t want_bytes = 0;
-  int64_t want_tensors = 0;
-  for (size_t shard_idx = 0; shard_idx < 2; ++shard_idx) {
-    for (const auto& [name, t] : shards[shard_idx]) {
-      const bool is_expert = name.find(".mlp.experts.") != std::string::npos;
-      const bool mine = name.find(".experts.2.") != std::string::npos ||
-                        name.find(".experts.3.") != std::string::npos;
-      if (is_expert && !mine) continue;
-      want_bytes += t.nbytes();
-      ++want_tensors;
-    }
-  }
+  const auto [want_bytes, want_tensors] = ReadByRankOfExperts23(shards);
   LoadOptions options{
       .first_expert = 2, .num_experts = 2, .num_threads = 2, .expected = Expected(at::kFloat, 2)};
   options.skip_layers_from = 1;
@@ -545,16 +552,39 @@ TEST_F(Fp8LoaderTest, ExpertsKeptInFp8WithTheirScales) {
   EXPECT_TRUE(SameBytes(loaded->at(kLayer + "self_attn.q_a_proj.weight"),
                         Reference(shards, kLayer + "self_attn.q_a_proj.weight", at::kBFloat16)));
   // Every byte once: the dense tensors and their scales, this rank's experts' bytes and scales.
-  uint64_t want_bytes = 0;
+  EXPECT_EQ(report.num_bytes_read, ReadByRankOfExperts23(shards).first);
+}
+
+// ExpertsStoredAsFp8 reads the experts' stored dtype as the loader finds the
+// files: through the index, or from the headers of shards without one; and
+// says false once the experts are stored in another dtype.
+TEST_F(Fp8LoaderTest, ExpertsStoredAsFp8ReadsTheStoredExperts) {
+  std::vector<NamedTensors> shards = DeepseekShards();
+  Write(shards);
+  absl::StatusOr<bool> fp8 = ExpertsStoredAsFp8(dir_, "deepseek_v3");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_TRUE(*fp8);
+  std::filesystem::remove(dir_ / std::string(kIndexFileName));
+  fp8 = ExpertsStoredAsFp8(dir_, "deepseek_v3");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_TRUE(*fp8);
+  // The experts dequantized to bfloat16 (their scales dropped), the rest as stored.
+  std::vector<NamedTensors> converted(2);
   for (size_t shard_idx = 0; shard_idx < 2; ++shard_idx) {
     for (const auto& [name, t] : shards[shard_idx]) {
-      const bool is_expert = name.find(".mlp.experts.") != std::string::npos;
-      const bool mine = name.find(".experts.2.") != std::string::npos ||
-                        name.find(".experts.3.") != std::string::npos;
-      if (!is_expert || mine) want_bytes += t.nbytes();
+      if (name.find(".mlp.experts.") == std::string::npos) {
+        converted[shard_idx].emplace_back(name, t);
+      } else if (!name.ends_with("_scale_inv")) {
+        converted[shard_idx].emplace_back(name, Reference(shards, name, at::kBFloat16));
+      }
     }
   }
-  EXPECT_EQ(report.num_bytes_read, want_bytes);
+  std::filesystem::remove_all(dir_);
+  std::filesystem::create_directories(dir_);
+  Write(converted);
+  fp8 = ExpertsStoredAsFp8(dir_, "deepseek_v3");
+  ASSERT_TRUE(fp8.ok()) << fp8.status();
+  EXPECT_FALSE(*fp8);
 }
 
 // What cannot be kept in FP8 is named before anything is read: a source

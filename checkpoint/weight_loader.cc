@@ -957,6 +957,26 @@ absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::s
   return false;
 }
 
+absl::StatusOr<at::ScalarType> StoredWeightDtype(const std::filesystem::path& dir) {
+  MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
+  std::map<at::ScalarType, int64_t> elements;
+  for (const auto& [key, file_idx] : files.keys()) {
+    if (!key.ends_with(".weight") || absl::StrContains(key, "mlp.gate.")) continue;
+    MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(key));
+    const TensorInfo& info = *resolved.second;
+    const std::optional<at::ScalarType> type = ToScalarType(info.dtype);
+    if (info.shape.size() != 2 || !type || !at::isFloatingType(*type)) continue;
+    elements[*type] += info.shape[0] * info.shape[1];
+  }
+  if (elements.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(dir.string(), ": no 2-D floating weight tensor (\"*.weight\")"));
+  }
+  return std::max_element(elements.begin(), elements.end(),
+                          [](const auto& a, const auto& b) { return a.second < b.second; })
+      ->first;
+}
+
 absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
                                                                  std::string_view family,
                                                                  const LoadOptions& options,

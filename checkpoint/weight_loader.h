@@ -164,4 +164,12 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::file
 // index or the files' headers, as LoadCheckpoint does, and no tensor data.
 absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family);
 
+// The dtype most of the checkpoint's weight matrices are stored in: over its
+// 2-D floating `.weight` tensors other than routers (`mlp.gate.weight`, often
+// kept wider), the dtype that holds the most elements (FP8 included as
+// float8_e4m3fn). Finds the files as LoadCheckpoint does (the index, or every
+// shard's header) and reads no tensor data. InvalidArgument, naming `dir`,
+// when there is no such tensor.
+absl::StatusOr<at::ScalarType> StoredWeightDtype(const std::filesystem::path& dir);
+
 }  // namespace moefit::checkpoint

@@ -10,9 +10,6 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "checkpoint/safetensors.h"
-#include "checkpoint/safetensors_index.h"
-#include "checkpoint/tensor_io.h"
 #include "checkpoint/weight_exporter.h"
 #include "framework/families/family.h"
 #include "framework/output_dir.h"
@@ -65,27 +62,9 @@ std::string DtypeName(at::ScalarType t) {
 }
 
 absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
-  fs::path file = fs::path(dir) / checkpoint::kSingleFileName;
-  const fs::path index = fs::path(dir) / checkpoint::kIndexFileName;
-  if (fs::exists(index)) {
-    MOEFIT_ASSIGN_OR_RETURN(checkpoint::ShardedIndex idx, checkpoint::ReadShardedIndex(index));
-    const std::vector<std::string> shards = idx.ShardFiles();
-    if (shards.empty())
-      return absl::InvalidArgumentError(absl::StrCat(index.string(), ": no shards"));
-    file = fs::path(dir) / shards.front();
-  }
-  MOEFIT_ASSIGN_OR_RETURN(checkpoint::SafetensorsFile f, checkpoint::SafetensorsFile::Open(file));
-  for (const checkpoint::TensorInfo& t : f.tensors()) {
-    const std::optional<at::ScalarType> type = checkpoint::ToScalarType(t.dtype);
-    // A weight matrix: norms and routers may be kept wider than the rest.
-    if (!t.name.ends_with(".weight") || t.shape.size() != 2 ||
-        t.name.find("mlp.gate.") != std::string::npos || !type || !at::isFloatingType(*type)) {
-      continue;
-    }
-    if (*type == at::kBFloat16 || *type == at::kFloat8_e4m3fn) return at::kBFloat16;
-    return at::kFloat;
-  }
-  return absl::InvalidArgumentError(absl::StrCat(file.string(), ": no floating weight tensor"));
+  MOEFIT_ASSIGN_OR_RETURN(const at::ScalarType stored, checkpoint::StoredWeightDtype(dir));
+  if (stored == at::kBFloat16 || stored == at::kFloat8_e4m3fn) return at::kBFloat16;
+  return at::kFloat;
 }
 
 absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {

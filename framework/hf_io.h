@@ -33,9 +33,8 @@ void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& l
 std::string DtypeName(at::ScalarType t);
 
 // The dtype a frozen base loaded from the HF directory `dir` keeps: that of
-// its weight matrices (the first shard's first 2-D floating ".weight" tensor
-// that is not a router),
-// with FP8 dequantized to bfloat16 and float16 held as float32.
+// most of its weight matrices (checkpoint::StoredWeightDtype), with FP8
+// dequantized to bfloat16 and float16 held as float32.
 absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir);
 
 // Loads the weights of the HF directory `dir` into `model`. Missing,

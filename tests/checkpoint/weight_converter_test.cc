@@ -559,6 +559,49 @@ TEST_F(ConverterTest, ExportRejectsUnknownRuntimeTensor) {
   EXPECT_THAT(plan.status().message(), HasSubstr("model.layers.0.mlp.mystery"));
 }
 
+// The weight dtype is the one most weight elements are stored in, found
+// through the index or, without one, every shard's header: float32
+// embeddings, head and routers in a shard of their own do not make a
+// bfloat16 checkpoint float32.
+TEST_F(ConverterTest, StoredWeightDtypeIsTheDtypeOfMostWeights) {
+  NamedTensors hub = HubTensors("qwen3_moe", 4);
+  WriteSharded(dir_, hub, 3);
+  absl::StatusOr<at::ScalarType> dtype = StoredWeightDtype(dir_);
+  ASSERT_TRUE(dtype.ok()) << dtype.status();
+  EXPECT_EQ(*dtype, at::kBFloat16);
+
+  std::filesystem::remove_all(dir_);
+  std::filesystem::create_directories(dir_);
+  NamedTensors wide, narrow;
+  for (const auto& [name, t] : hub) {
+    const bool keep_wide = !name.starts_with("model.layers.") || name.ends_with("mlp.gate.weight");
+    (keep_wide ? wide : narrow).emplace_back(name, keep_wide ? t.to(at::kFloat) : t);
+  }
+  ASSERT_TRUE(SaveTensors(dir_ / "a-wide.safetensors", wide, {.sync = false}).ok());
+  ASSERT_TRUE(SaveTensors(dir_ / "b-layers.safetensors", narrow, {.sync = false}).ok());
+  dtype = StoredWeightDtype(dir_);
+  ASSERT_TRUE(dtype.ok()) << dtype.status();
+  EXPECT_EQ(*dtype, at::kBFloat16);
+
+  // The same weights all in float32.
+  std::filesystem::remove(dir_ / "b-layers.safetensors");
+  for (auto& [name, t] : narrow) t = t.to(at::kFloat);
+  ASSERT_TRUE(SaveTensors(dir_ / "b-layers.safetensors", narrow, {.sync = false}).ok());
+  dtype = StoredWeightDtype(dir_);
+  ASSERT_TRUE(dtype.ok()) << dtype.status();
+  EXPECT_EQ(*dtype, at::kFloat);
+
+  // Only norms: nothing to tell by, and the directory is named.
+  std::filesystem::remove_all(dir_);
+  std::filesystem::create_directories(dir_);
+  ASSERT_TRUE(SaveTensors(dir_ / "model.safetensors", {{"model.norm.weight", at::ones({kHidden})}},
+                          {.sync = false})
+                  .ok());
+  dtype = StoredWeightDtype(dir_);
+  ASSERT_FALSE(dtype.ok());
+  EXPECT_THAT(dtype.status().message(), HasSubstr(dir_.string()));
+}
+
 TEST(ConversionOpsTest, EveryOpIsUndoneByItsInverse) {
   MappingRule rule;
   rule.sources = {KeyPattern("a.*.x"), KeyPattern("a.*.y")};

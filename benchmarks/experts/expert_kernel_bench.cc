@@ -10,19 +10,23 @@
 // One "expert pass" is what the layer does per expert: forward gate|up
 // (m x 2I x H) and down (m x H x I); backward dX through both (the same
 // FLOPs again); and, for trainable formats, the two weight gradients. Each
-// pass cycles through --experts distinct weights so that they are not
-// cache-resident, as in a real layer. Each format is timed twice: packing B
-// in every call, and with each weight packed ahead (a frozen weight's packs
-// are kept across steps).
+// pass cycles through distinct experts' weights so that they are not
+// cache-resident, as in a real layer: by default as many as make each
+// format's weights twice the last-level cache (at least 8), or --experts.
+// The read bandwidth is measured over a buffer of the same size (at least
+// 256 MB). Each format is timed twice: packing B in every call, and with
+// each weight packed ahead (a frozen weight's packs are kept across steps).
 //
-// Flags: --hidden=2048 --inter=768 --rows=1,16,64,256,1024 --experts=8
+// Flags: --hidden=2048 --inter=768 --rows=1,16,64,256,1024 --experts=N
 // --isa=simd|all|<name> (default simd: every vector set the CPU has; all adds
 // the portable kernels) --seconds=0.3 (per measurement; medians of three).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -37,7 +41,8 @@ namespace moefit::experts::kernels {
 namespace {
 
 struct Flags {
-  int64_t hidden = 2048, inter = 768, experts = 8;
+  int64_t hidden = 2048, inter = 768;
+  int64_t experts = 0;  // 0: enough to exceed the caches (ExpertsCycled)
   std::vector<int64_t> rows = {1, 16, 64, 256, 1024};
   std::string isa = "simd";
   double seconds = 0.3;
@@ -63,8 +68,28 @@ double TimeIt(const std::function<void()>& fn, double seconds) {
   return runs[1];
 }
 
+// The last-level cache's bytes (32 MiB where the system does not say).
+int64_t LastLevelCacheBytes() {
+  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const int64_t llc = std::max<int64_t>(l3, l2);
+  return llc > 0 ? llc : int64_t{32} << 20;
+}
+
+// Bytes that cycling through cannot keep cached: twice the last-level cache.
+int64_t UncachedBytes() { return std::max<int64_t>(int64_t{256} << 20, 2 * LastLevelCacheBytes()); }
+
+int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1; }
+
+// Experts whose weights of type t together exceed UncachedBytes(), or --experts.
+int64_t ExpertsCycled(const Flags& f, ElemType t) {
+  if (f.experts > 0) return f.experts;
+  const int64_t per_expert = 3 * f.inter * f.hidden * ElementBytes(t);
+  return std::max<int64_t>(8, (UncachedBytes() + per_expert - 1) / per_expert);
+}
+
 struct Weights {
   ElemType type;
+  int64_t experts = 0;
   at::Tensor gate_up, down;              // [E, 2I, H], [E, H, I]
   at::Tensor gate_up_scale, down_scale;  // FP8 only
 };
@@ -76,14 +101,15 @@ at::ScalarType TorchType(ElemType t) {
 }
 
 Weights MakeWeights(const Flags& f, ElemType type) {
-  Weights w{type};
+  Weights w{type, ExpertsCycled(f, type)};
+  const int64_t n = w.experts;
   const double s = type == ElemType::kF8E4M3 ? 1.0 : 0.02;
-  w.gate_up = (at::randn({f.experts, 2 * f.inter, f.hidden}) * s).to(TorchType(type));
-  w.down = (at::randn({f.experts, f.hidden, f.inter}) * s).to(TorchType(type));
+  w.gate_up = (at::randn({n, 2 * f.inter, f.hidden}) * s).to(TorchType(type));
+  w.down = (at::randn({n, f.hidden, f.inter}) * s).to(TorchType(type));
   if (type == ElemType::kF8E4M3) {
     auto blocks = [](int64_t n) { return (n + kScaleBlock - 1) / kScaleBlock; };
-    w.gate_up_scale = at::full({f.experts, blocks(2 * f.inter), blocks(f.hidden)}, 0.02);
-    w.down_scale = at::full({f.experts, blocks(f.hidden), blocks(f.inter)}, 0.02);
+    w.gate_up_scale = at::full({n, blocks(2 * f.inter), blocks(f.hidden)}, 0.02);
+    w.down_scale = at::full({n, blocks(f.hidden), blocks(f.inter)}, 0.02);
   }
   return w;
 }
@@ -116,11 +142,26 @@ Operand Transposed(const at::Tensor& t) {
 }
 Output Out(const at::Tensor& t) { return Output{t.data_ptr(), ElemType::kF32, t.size(1)}; }
 
-// GB/s of a sum over a buffer far larger than the caches.
+// GB/s of one core reading a buffer far larger than the caches: a sum of
+// 64-bit words over eight parts of it at once, into eight accumulators, so
+// that neither the adds, a dependency chain nor a single stream's prefetch
+// limits it, only the reads (the kernels, too, read several weight rows or
+// columns at once).
 double ReadBandwidth() {
-  at::Tensor big = at::ones({64 << 20}, at::kFloat);  // 256 MB
-  const double t = TimeIt([&] { (void)big.sum().item<float>(); }, 0.5);
-  return static_cast<double>(big.numel() * 4) / t / 1e9;
+  std::vector<uint64_t> big(UncachedBytes() / 8);
+  for (size_t i = 0; i < big.size(); ++i) big[i] = i;
+  const size_t part = big.size() / 8;
+  volatile uint64_t sink = 0;
+  const double t = TimeIt(
+      [&] {
+        uint64_t acc[8] = {};
+        for (size_t i = 0; i < part; ++i) {
+          for (size_t j = 0; j < 8; ++j) acc[j] += big[j * part + i];
+        }
+        sink = sink + acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7];
+      },
+      0.5);
+  return static_cast<double>(part * 8 * 8) / t / 1e9;
 }
 
 const char* TypeName(ElemType t) {
@@ -169,13 +210,19 @@ int main(int argc, char** argv) {
   at::set_num_threads(1);
   at::manual_seed(0);
   const int64_t H = f.hidden, I = f.inter;
-  std::printf("expert_kernel_bench: one core, H %lld, I %lld, %lld experts cycled\n",
-              static_cast<long long>(H), static_cast<long long>(I),
-              static_cast<long long>(f.experts));
+  std::printf(
+      "expert_kernel_bench: one core, H %lld, I %lld; experts cycled: fp32 %lld, bf16 "
+      "%lld, fp8 %lld (last-level cache %lld MB)\n",
+      static_cast<long long>(H), static_cast<long long>(I),
+      static_cast<long long>(ExpertsCycled(f, ElemType::kF32)),
+      static_cast<long long>(ExpertsCycled(f, ElemType::kBF16)),
+      static_cast<long long>(ExpertsCycled(f, ElemType::kF8E4M3)),
+      static_cast<long long>(LastLevelCacheBytes() >> 20));
   std::printf("CPU flags: %s; detected: %s\n", CpuFlags().c_str(),
               std::string(IsaName(DetectIsa())).c_str());
   const double bw = ReadBandwidth();
-  std::printf("read bandwidth (one core, sum over 256 MB): %.1f GB/s\n\n", bw);
+  std::printf("read bandwidth (one core, sum over %lld MB): %.1f GB/s\n\n",
+              static_cast<long long>(UncachedBytes() >> 20), bw);
 
   std::vector<Isa> isas;
   for (Isa isa : kAllIsas) {
@@ -190,83 +237,122 @@ int main(int argc, char** argv) {
   // Float32 weights for the LibTorch ceiling.
   const Weights& w32 = weights[0];
 
-  std::printf("%-12s %-5s %6s %10s %10s %9s %9s %12s %8s %9s %9s\n", "isa", "dtype", "rows",
-              "fwd+dX ms", "+dW ms", "GFLOP/s", "vs mm", "mem floor ms", "vs mem", "kept ms",
-              "kept/mem");
+  // Each rows count's buffers and its LibTorch float32 time: the same four
+  // GEMMs per expert, one thread.
+  struct Rows {
+    int64_t m;
+    at::Tensor x, dy, gu, h, dgu, dh, dx, dwgu, dwd;
+    double t_mm = 0;
+  };
+  std::vector<Rows> rows;
   for (int64_t m : f.rows) {
-    at::Tensor x = at::randn({m, H}), dy = at::randn({m, H});
-    at::Tensor gu = at::empty({m, 2 * I}), h = at::randn({m, I}), dgu = at::randn({m, 2 * I});
-    at::Tensor dh = at::empty({m, I}), dx = at::empty({m, H});
-    at::Tensor dwgu = at::empty({2 * I, H}), dwd = at::empty({H, I});
-    // LibTorch fp32: the same four GEMMs per expert, one thread.
+    Rows r{m,
+           at::randn({m, H}),
+           at::randn({m, H}),
+           at::empty({m, 2 * I}),
+           at::randn({m, I}),
+           at::randn({m, 2 * I}),
+           at::empty({m, I}),
+           at::empty({m, H}),
+           at::empty({2 * I, H}),
+           at::empty({H, I})};
     int64_t e_ref = 0;
-    const double t_mm = TimeIt(
+    r.t_mm = TimeIt(
         [&] {
-          const int64_t e = e_ref++ % f.experts;
-          at::mm_out(gu, x, w32.gate_up[e].t());
-          at::mm_out(dx, h, w32.down[e].t());
-          at::mm_out(dh, dy, w32.down[e]);
-          at::mm_out(dx, dgu, w32.gate_up[e]);
+          const int64_t e = e_ref++ % w32.experts;
+          at::mm_out(r.gu, r.x, w32.gate_up[e].t());
+          at::mm_out(r.dx, r.h, w32.down[e].t());
+          at::mm_out(r.dh, r.dy, w32.down[e]);
+          at::mm_out(r.dx, r.dgu, w32.gate_up[e]);
         },
         f.seconds);
-    const double flops = 2.0 * 2 * (m * 2 * I * H + m * H * I);
-    for (Isa isa : isas) {
-      for (const Weights& w : weights) {
+    rows.push_back(std::move(r));
+  }
+  // Lines of the table by (rows, isa, format), timed isa by isa and format
+  // by format so that each weight's packs are made once for all rows counts.
+  std::vector<std::vector<std::string>> lines(rows.size());
+  for (Isa isa : isas) {
+    for (const Weights& w : weights) {
+      // The packs of as many experts as exceed the caches (packs are float32
+      // or bfloat16 pairs, wider than FP8), at most all of them.
+      const int64_t pack_bytes = PackedB::Bytes(isa, ElemType::kF32, H, 2 * I, w.type) +
+                                 PackedB::Bytes(isa, ElemType::kF32, I, H, w.type) +
+                                 PackedB::Bytes(isa, ElemType::kF32, H, I, w.type) +
+                                 PackedB::Bytes(isa, ElemType::kF32, 2 * I, H, w.type);
+      const int64_t num_kept =
+          f.experts > 0
+              ? f.experts
+              : std::min(w.experts,
+                         std::max<int64_t>(8, (UncachedBytes() + pack_bytes - 1) / pack_bytes));
+      std::vector<PackedB> kept;
+      for (int64_t e = 0; e < num_kept; ++e) {
+        kept.emplace_back(isa, ElemType::kF32, H, 2 * I,
+                          WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type));
+        kept.emplace_back(isa, ElemType::kF32, I, H,
+                          WeightOperand(w.down, w.down_scale, e, true, w.type));
+        kept.emplace_back(isa, ElemType::kF32, H, I,
+                          WeightOperand(w.down, w.down_scale, e, false, w.type));
+        kept.emplace_back(isa, ElemType::kF32, 2 * I, H,
+                          WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type));
+      }
+      for (size_t ri = 0; ri < rows.size(); ++ri) {
+        Rows& r = rows[ri];
+        const int64_t m = r.m;
         int64_t e_run = 0;
         auto fwd_dx = [&](int64_t e) {
-          Gemm(isa, m, 2 * I, H, RowMajor(x),
-               WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type), Out(gu), false);
-          Gemm(isa, m, H, I, RowMajor(h), WeightOperand(w.down, w.down_scale, e, true, w.type),
-               Out(dx), false);
-          Gemm(isa, m, I, H, RowMajor(dy), WeightOperand(w.down, w.down_scale, e, false, w.type),
-               Out(dh), false);
-          Gemm(isa, m, H, 2 * I, RowMajor(dgu),
-               WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type), Out(dx), false);
+          Gemm(isa, m, 2 * I, H, RowMajor(r.x),
+               WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type), Out(r.gu), false);
+          Gemm(isa, m, H, I, RowMajor(r.h), WeightOperand(w.down, w.down_scale, e, true, w.type),
+               Out(r.dx), false);
+          Gemm(isa, m, I, H, RowMajor(r.dy), WeightOperand(w.down, w.down_scale, e, false, w.type),
+               Out(r.dh), false);
+          Gemm(isa, m, H, 2 * I, RowMajor(r.dgu),
+               WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type), Out(r.dx), false);
         };
-        const double t = TimeIt([&] { fwd_dx(e_run++ % f.experts); }, f.seconds);
+        const double t = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
         // The same with each weight packed ahead (PackedB), as the expert
         // layer keeps the packs of a frozen weight from one step to the next.
-        std::vector<PackedB> kept;
-        for (int64_t e = 0; e < f.experts; ++e) {
-          kept.emplace_back(isa, ElemType::kF32, H, 2 * I,
-                            WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type));
-          kept.emplace_back(isa, ElemType::kF32, I, H,
-                            WeightOperand(w.down, w.down_scale, e, true, w.type));
-          kept.emplace_back(isa, ElemType::kF32, H, I,
-                            WeightOperand(w.down, w.down_scale, e, false, w.type));
-          kept.emplace_back(isa, ElemType::kF32, 2 * I, H,
-                            WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type));
-        }
         const double t_kept = TimeIt(
             [&] {
-              const PackedB* p = &kept[4 * (e_run++ % f.experts)];
-              Gemm(isa, m, RowMajor(x), p[0], Out(gu), false);
-              Gemm(isa, m, RowMajor(h), p[1], Out(dx), false);
-              Gemm(isa, m, RowMajor(dy), p[2], Out(dh), false);
-              Gemm(isa, m, RowMajor(dgu), p[3], Out(dx), false);
+              const PackedB* p = &kept[4 * (e_run++ % num_kept)];
+              Gemm(isa, m, RowMajor(r.x), p[0], Out(r.gu), false);
+              Gemm(isa, m, RowMajor(r.h), p[1], Out(r.dx), false);
+              Gemm(isa, m, RowMajor(r.dy), p[2], Out(r.dh), false);
+              Gemm(isa, m, RowMajor(r.dgu), p[3], Out(r.dx), false);
             },
             f.seconds);
-        kept.clear();
         double t_dw = 0;
         if (w.type != ElemType::kF8E4M3) {  // FP8 weights are frozen: no weight gradients
           t_dw = TimeIt(
               [&] {
-                Gemm(isa, 2 * I, H, m, Transposed(dgu), RowMajor(x), Out(dwgu), false);
-                Gemm(isa, H, I, m, Transposed(dy), RowMajor(h), Out(dwd), false);
+                Gemm(isa, 2 * I, H, m, Transposed(r.dgu), RowMajor(r.x), Out(r.dwgu), false);
+                Gemm(isa, H, I, m, Transposed(r.dy), RowMajor(r.h), Out(r.dwd), false);
               },
               f.seconds);
         }
+        const double flops = 2.0 * 2 * (m * 2 * I * H + m * H * I);
         // Forward + dX read each weight twice.
         const double bytes = 2.0 * (3.0 * I * H) * w.gate_up.element_size();
         const double floor_ms = bytes / (bw * 1e9) * 1e3;
-        std::printf("%-12s %-5s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f %9.3f %9.2f\n",
-                    std::string(IsaName(isa)).c_str(), TypeName(w.type), static_cast<long long>(m),
-                    t * 1e3, t_dw * 1e3, flops / t / 1e9, t_mm / t, floor_ms, floor_ms / (t * 1e3),
-                    t_kept * 1e3, floor_ms / (t_kept * 1e3));
+        char line[256];
+        std::snprintf(line, sizeof(line),
+                      "%-12s %-5s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f %9.3f %9.2f\n",
+                      std::string(IsaName(isa)).c_str(), TypeName(w.type),
+                      static_cast<long long>(m), t * 1e3, t_dw * 1e3, flops / t / 1e9, r.t_mm / t,
+                      floor_ms, floor_ms / (t * 1e3), t_kept * 1e3, floor_ms / (t_kept * 1e3));
+        lines[ri].push_back(line);
       }
     }
+  }
+  std::printf("%-12s %-5s %6s %10s %10s %9s %9s %12s %8s %9s %9s\n", "isa", "dtype", "rows",
+              "fwd+dX ms", "+dW ms", "GFLOP/s", "vs mm", "mem floor ms", "vs mem", "kept ms",
+              "kept/mem");
+  for (size_t ri = 0; ri < rows.size(); ++ri) {
+    for (const std::string& line : lines[ri]) std::fputs(line.c_str(), stdout);
+    const Rows& r = rows[ri];
+    const double flops = 2.0 * 2 * (r.m * 2 * I * H + r.m * H * I);
     std::printf("%-12s %-5s %6lld %10.3f %10s %9.1f %9s\n\n", "libtorch mm", "fp32",
-                static_cast<long long>(m), t_mm * 1e3, "", flops / t_mm / 1e9, "1.00");
+                static_cast<long long>(r.m), r.t_mm * 1e3, "", flops / r.t_mm / 1e9, "1.00");
   }
   std::printf(
       "vs mm: LibTorch fp32 time / kernel time for forward+dX (higher is better);\n"

@@ -457,9 +457,8 @@ class Loader {
   // Stage 2 for one target: its sources on this rank and its shape.
   absl::Status Plan(TargetPlan& plan) {
     const MappingRule& rule = *plan.rule;
-    if (plan.scales) {
-      const std::string weight = plan.name.substr(0, plan.name.size() - kScaleInvSuffix.size());
-      if (targets_.at(weight).shape.empty()) return absl::OkStatus();  // its problem is named
+    if (plan.scales && targets_.at(ScaledWeight(plan.name)).shape.empty()) {
+      return absl::OkStatus();  // its weight's problem is named
     }
     plan.inputs.assign(rule.sources.size(), {});
     bool complete = true;

@@ -4,9 +4,13 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <array>
 #include <cmath>
 #include <tuple>
 #include <utility>
+
+#include "checkpoint/fp8.h"
+#include "experts/kernels/gemm.h"
 
 namespace moefit::experts {
 
@@ -67,27 +71,16 @@ ExpertLora MakeExpertLora(const ExpertProblemShape& s, const LoraSpec& spec, at:
   return lora;
 }
 
-namespace {
-
-// w [E, R, C] -> (fp8 [E, R, C], scales [E, ceil(R/128), ceil(C/128)]).
-std::pair<at::Tensor, at::Tensor> QuantizeBlocks(const at::Tensor& w) {
-  const int64_t e = w.size(0), r = w.size(1), c = w.size(2);
-  const int64_t br = (r + 127) / 128, bc = (c + 127) / 128;
-  at::Tensor padded = at::zeros({e, br * 128, bc * 128});
-  padded.narrow(1, 0, r).narrow(2, 0, c).copy_(w.to(at::kFloat));
-  at::Tensor blocks = padded.view({e, br, 128, bc, 128});
-  at::Tensor scales = blocks.abs().amax({2, 4}).div_(448.0).clamp_min_(1e-12);
-  at::Tensor q = (blocks / scales.view({e, br, 1, bc, 1})).view({e, br * 128, bc * 128});
-  return {q.narrow(1, 0, r).narrow(2, 0, c).to(at::kFloat8_e4m3fn).contiguous(),
-          scales.contiguous()};
-}
-
-}  // namespace
-
 ExpertWeights QuantizeFp8(const ExpertProblem& p) {
+  constexpr std::array<int64_t, 2> kBlock{kernels::kScaleBlock, kernels::kScaleBlock};
+  auto quantize = [&](const at::Tensor& w) {
+    auto q = checkpoint::QuantizeBlockFp8(w, kBlock);
+    TORCH_CHECK(q.ok(), q.status().ToString());
+    return *std::move(q);
+  };
   ExpertWeights w;
-  std::tie(w.gate_up_proj, w.gate_up_scale) = QuantizeBlocks(p.gate_up_proj);
-  std::tie(w.down_proj, w.down_scale) = QuantizeBlocks(p.down_proj);
+  std::tie(w.gate_up_proj, w.gate_up_scale) = quantize(p.gate_up_proj);
+  std::tie(w.down_proj, w.down_scale) = quantize(p.down_proj);
   return w;
 }
 

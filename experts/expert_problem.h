@@ -57,8 +57,7 @@ ExpertLora MakeExpertLora(const ExpertProblemShape& shape, const LoraSpec& spec,
                           at::ScalarType dtype, uint64_t seed);
 
 // The problem's weights quantized to float8_e4m3fn with one float32 scale per
-// 128 x 128 block (amax / 448, as DeepSeek-V3's checkpoints are made), for the
-// frozen-FP8 paths.
+// 128 x 128 block (checkpoint::QuantizeBlockFp8), for the frozen-FP8 paths.
 ExpertWeights QuantizeFp8(const ExpertProblem& problem);
 
 // Multiply-adds of forward and backward: 2*A*H*(2I) + 2*A*I*H forward, twice that backward.

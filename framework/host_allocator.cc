@@ -58,13 +58,13 @@ class CachingHostAllocator final : public c10::Allocator {
         it->second.pop_back();
         stats_.cached_bytes -= static_cast<int64_t>(size);
         ++stats_.reused;
+        MarkLive(p, size);
       }
     }
-    if (p == nullptr) p = SystemAlloc(size);
-    {
+    if (p == nullptr) {
+      p = SystemAlloc(size);  // outside the lock: the system may take a while
       std::lock_guard<std::mutex> lock(mu_);
-      const bool inserted = live_.emplace(p, size).second;
-      TORCH_INTERNAL_ASSERT(inserted, "host allocator: block handed out twice");
+      MarkLive(p, size);
     }
     return {p, p, &Free, c10::Device(c10::DeviceType::CPU)};
   }
@@ -81,6 +81,12 @@ class CachingHostAllocator final : public c10::Allocator {
   }
 
  private:
+  // Records `p` as handed out (mu_ held).
+  void MarkLive(void* p, size_t size) {
+    const bool inserted = live_.emplace(p, size).second;
+    TORCH_INTERNAL_ASSERT(inserted, "host allocator: block handed out twice");
+  }
+
   // A block of this cache goes back to it; anything else (a small
   // allocation raw_allocate took from the fallback) to the fallback.
   static void Free(void* p) {

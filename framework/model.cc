@@ -85,7 +85,7 @@ void DrawLoraA(at::Tensor a, uint64_t seed) {
 }  // namespace
 
 std::string ScaleInvName(const std::string& weight_name) {
-  return absl::StrCat(weight_name, "_scale_inv");
+  return absl::StrCat(weight_name, std::string(checkpoint::kScaleInvSuffix));
 }
 
 absl::Status CheckFp8Experts(const ModelOptions& o) {

@@ -348,14 +348,12 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
   EXPECT_THROW(PackedB(GetParam(), ElemType::kF32, 4, 8, f32.op), c10::Error);
 }
 
-// The same products on every instruction set that computes them in float32
-// agree to float32 rounding: a narrower set is a twin of a wider one.
 // Where the kernels multiply bfloat16 pairs, an FP8 weight is its bfloat16
 // dequantization (FP8 x scale, rounded once): the same bits as that bfloat16
 // weight on the streamed path (a few rows) and the blocked one, for B read
 // as Wᵀ (forward) and as W (dX), with float32 and bfloat16 A. Elsewhere FP8 x
-// scale stays float32 on both paths, so a few rows and many agree to float32
-// rounding.
+// scale stays float32, unrounded, so the bits differ from the bfloat16
+// weight's.
 TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
   const int64_t n = 300, k = 260;  // partial scale blocks both ways
   for (const bool transposed : {true, false}) {
@@ -390,6 +388,8 @@ TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
   }
 }
 
+// The same products on every instruction set that computes them in float32
+// agree to float32 rounding: a narrower set is a twin of a wider one.
 TEST(Gemm, Float32PathsAgreeAcrossInstructionSets) {
   Stored a = MakeOperand(50, 300, ElemType::kBF16, false, 7);
   Stored b = MakeOperand(300, 90, ElemType::kBF16, true, 8);

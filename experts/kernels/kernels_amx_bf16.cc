@@ -248,7 +248,7 @@ const PackedKernels& AmxBf16Kernels() {
                                &PackA,
                                &PackBPairs<kNr, kTilePairs>,
                                &Micro,
-                               &SmallRowsUpTo8</*kRoundFp8=*/true>,
+                               &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
                                &StoreBf16RowAvx2,

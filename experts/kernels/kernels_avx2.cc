@@ -77,7 +77,7 @@ const PackedKernels& Avx2F32Kernels() {
                                &PackAF32<kMr>,
                                &PackBF32<kNr>,
                                &Micro,
-                               &SmallRowsUpTo8<>,
+                               &SmallRows<>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
                                &StoreBf16RowAvx2};

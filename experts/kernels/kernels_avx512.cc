@@ -59,7 +59,7 @@ const PackedKernels& Avx512F32Kernels() {
                                &PackAF32<kMr>,
                                &PackBF32<kNr>,
                                &Micro,
-                               &SmallRowsUpTo8<>,
+                               &SmallRows<>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
                                &StoreBf16RowAvx2};

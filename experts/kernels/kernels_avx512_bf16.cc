@@ -59,7 +59,7 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &PackAGeneric<kMr, true>,
                                &PackBPairs<kNr, 1>,
                                &Micro,
-                               &SmallRowsUpTo8</*kRoundFp8=*/true>,
+                               &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
                                &StoreBf16RowAvx2};

@@ -14,6 +14,8 @@
 
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "experts/kernels/internal/pack_common.h"
 
 #ifndef MOEFIT_PACK_WIDTH
@@ -317,13 +319,17 @@ inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumu
   }
 }
 
-// FP8 x scale of B's (k, j) block, a vector of it (w) or one element,
-// rounded to bfloat16 with kRoundFp8.
-template <bool kRoundFp8>
-inline VecF WeightF(VecF w, const Operand& b, int64_t k, int64_t j) {
-  w = MulS(w, Scale<ElemType::kF8E4M3>(b, k, j));
-  if constexpr (kRoundFp8) w = RoundBf16F(w);
-  return w;
+// kVl elements of B at `idx`, which lie in the scale block of (k, j), as
+// float32: FP8 x scale rounded to bfloat16 with kRoundFp8.
+template <ElemType T, bool kRoundFp8>
+inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
+  if constexpr (T != ElemType::kF8E4M3) {
+    return LoadF<T>(b.data, idx);
+  } else {
+    VecF w = MulS(LoadF<T>(b.data, idx), Scale<T>(b, k, j));
+    if constexpr (kRoundFp8) w = RoundBf16F(w);
+    return w;
+  }
 }
 template <ElemType T, bool kRoundFp8>
 inline float WeightValue(const Operand& b, int64_t k, int64_t j) {
@@ -332,119 +338,189 @@ inline float WeightValue(const Operand& b, int64_t k, int64_t j) {
   return w;
 }
 
-// A few rows of A (at most kMaxRows: 4 or 8): the GEMM is a handful of matrix-vector
-// products, bound by reading B (the weight) once. Packing B would read and
-// write it once more, so here B is streamed straight from where it lies and
-// converted in registers, as is A, in float32 (no bfloat16 rounding of A on
-// any instruction set). With kRoundFp8 (the kernels that multiply bfloat16
-// pairs), FP8 x scale is rounded to bfloat16 as their packs round it, so that
-// an FP8 weight gives the same bits on this path as on the blocked one, and
-// as its bfloat16 dequantization. Returns false, having done nothing, for
-// layouts it does not take (A with strided columns or FP8; B with neither
-// dimension contiguous).
-template <int kMaxRows, bool kRoundFp8>
+// A few rows of A (at most kMaxStreamedRows): the GEMM is a handful of
+// matrix-vector products, bound by reading B (the weight) once. Packing B
+// would read and write it once more, so here B is streamed straight from where
+// it lies and converted in registers, as is A, in float32 (no bfloat16
+// rounding of A on any instruction set). With kRoundFp8 (the kernels that
+// multiply bfloat16 pairs), FP8 x scale is rounded to bfloat16 as their packs
+// round it, so that an FP8 weight gives the same bits on this path as on the
+// blocked one, and as its bfloat16 dequantization.
+//
+// The row count kM is a template argument (SmallRows dispatches on m), so the
+// accumulators stay in registers with no per-row tests in the inner loops.
+// Each element of C is summed in an order that depends on neither kM nor the
+// column or k blocking, so a row's result does not depend on the rows that
+// share its call; the scalar tails use std::fma, so that the compiler's
+// choice to contract a multiply-add or not cannot differ between them.
+
+// Asks for the line of element idx of `data` (of type T) ahead of its use;
+// an address past the operand's end is harmless (no fault, no effect).
+template <ElemType T>
+inline void Prefetch(const void* data, int64_t idx) {
+  constexpr int kBytes = T == ElemType::kF32 ? 4 : T == ElemType::kBF16 ? 2 : 1;
+  _mm_prefetch(static_cast<const char*>(data) + idx * kBytes, _MM_HINT_T0);
+}
+
+// B(k, j) = data[j * col_stride + k]: column j is contiguous along k. kC
+// columns [j0, j0 + kC) at a time: kM x kC vector accumulators over k, each
+// reduced at the end, plus a scalar tail of k.
+template <int kM, int kC, bool kRoundFp8, ElemType TA, ElemType T>
+inline void StreamColumns(int64_t j0, int64_t k_size, const Operand& a, const Operand& b,
+                          const Output& c, bool accumulate) {
+  VecF acc[kM][kC];
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < kC; ++j) acc[i][j] = ZeroF();
+  int64_t k = 0;
+  for (; k + kVl <= k_size; k += kVl) {
+    VecF x[kM];
+    for (int i = 0; i < kM; ++i) x[i] = LoadF<TA>(a.data, i * a.row_stride + k);
+    for (int j = 0; j < kC; ++j) {
+      if constexpr (T != ElemType::kF32) Prefetch<T>(b.data, (j0 + kC + j) * b.col_stride + k);
+      const VecF w = LoadWeightF<T, kRoundFp8>(b, (j0 + j) * b.col_stride + k, k, j0 + j);
+      for (int i = 0; i < kM; ++i) acc[i][j] = FmaF(x[i], w, acc[i][j]);
+    }
+  }
+  float tail[kM][kC] = {};
+  for (; k < k_size; ++k) {
+    for (int j = 0; j < kC; ++j) {
+      const float w = WeightValue<T, kRoundFp8>(b, k, j0 + j);
+      for (int i = 0; i < kM; ++i) tail[i][j] = std::fma(ValueAs<TA>(a, i, k), w, tail[i][j]);
+    }
+  }
+  for (int i = 0; i < kM; ++i) {
+    for (int j = 0; j < kC; ++j) StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
+  }
+}
+
+template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
+void StreamKContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                       const Output& c, bool accumulate) {
+  // Half the vector registers for accumulators.
+  constexpr int kC = kVl == 16 ? (kM <= 4 ? 4 : 3) : (kM <= 4 ? 2 : 1);
+  int64_t j0 = 0;
+  for (; j0 + kC <= n; j0 += kC) {
+    StreamColumns<kM, kC, kRoundFp8, TA, T>(j0, k_size, a, b, c, accumulate);
+  }
+  for (; j0 < n; ++j0) StreamColumns<kM, 1, kRoundFp8, TA, T>(j0, k_size, a, b, c, accumulate);
+}
+
+// acc[i][0, width) += sum over kK rows k0.. of A(i, k) * B(k, j0 + j), in k
+// order (width a multiple of kVl).
+template <int kM, int kK, int64_t kStrip, bool kRoundFp8, ElemType TA, ElemType T>
+inline void AddRows(int64_t k0, int64_t j0, int64_t width, const Operand& a, const Operand& b,
+                    float (&acc)[kM][kStrip]) {
+  VecF x[kM][kK];
+  for (int i = 0; i < kM; ++i)
+    for (int kk = 0; kk < kK; ++kk) x[i][kk] = SetF(ValueAs<TA>(a, i, k0 + kk));
+  const int64_t row = k0 * b.row_stride + j0;
+  for (int64_t j = 0; j < width; j += kVl) {
+    VecF w[kK];
+    for (int kk = 0; kk < kK; ++kk) {
+      Prefetch<T>(b.data, row + (kK + kk) * b.row_stride + j);
+      w[kk] = LoadWeightF<T, kRoundFp8>(b, row + kk * b.row_stride + j, k0 + kk, j0 + j);
+    }
+    for (int i = 0; i < kM; ++i) {
+      VecF sum = LoadPlainF(&acc[i][j]);
+      for (int kk = 0; kk < kK; ++kk) sum = FmaF(x[i][kk], w[kk], sum);
+      StoreF(&acc[i][j], sum);
+    }
+  }
+}
+
+// B(k, j) = data[k * row_stride + j]: row k is contiguous along j. Strips of
+// up to kStrip columns: the kM rows of C for the strip stay in L1 (16 KiB)
+// while B is read kK rows at a time, kStrip contiguous elements of each (long
+// runs, as the prefetchers like), so each accumulator is loaded and stored
+// once per kK rows of B.
+template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
+void StreamNContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                       const Output& c, bool accumulate) {
+  constexpr int64_t kStrip = 4096 / kM / kVl * kVl;
+  constexpr int kK = kM * 4 <= kVl ? 4 : kM * 2 <= kVl ? 2 : 1;
+  alignas(64) float acc[kM][kStrip];
+  const int64_t full = n / kVl * kVl;
+  for (int64_t j0 = 0; j0 < full; j0 += kStrip) {
+    const int64_t width = MinI(kStrip, full - j0);
+    for (int i = 0; i < kM; ++i)
+      for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + kK <= k_size; k += kK) {
+      AddRows<kM, kK, kStrip, kRoundFp8, TA, T>(k, j0, width, a, b, acc);
+    }
+    for (; k < k_size; ++k) AddRows<kM, 1, kStrip, kRoundFp8, TA, T>(k, j0, width, a, b, acc);
+    for (int i = 0; i < kM; ++i) {
+      for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
+    }
+  }
+  // The last columns (fewer than one vector), scalar.
+  for (int i = 0; i < kM; ++i) {
+    for (int64_t j = full; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < k_size; ++k) {
+        sum = std::fma(ValueAs<TA>(a, i, k), WeightValue<T, kRoundFp8>(b, k, j), sum);
+      }
+      StoreOut(c, i, j, sum, accumulate);
+    }
+  }
+}
+
+// Runs fn.template operator()<kM>() for kM = m, 1 <= m <= kMaxStreamedRows.
+template <typename Fn>
+inline void DispatchRows(int64_t m, const Fn& fn) {
+  static_assert(kMaxStreamedRows == 8);
+  switch (m) {
+    case 1:
+      fn.template operator()<1>();
+      break;
+    case 2:
+      fn.template operator()<2>();
+      break;
+    case 3:
+      fn.template operator()<3>();
+      break;
+    case 4:
+      fn.template operator()<4>();
+      break;
+    case 5:
+      fn.template operator()<5>();
+      break;
+    case 6:
+      fn.template operator()<6>();
+      break;
+    case 7:
+      fn.template operator()<7>();
+      break;
+    default:
+      fn.template operator()<8>();
+      break;
+  }
+}
+
+// The streamed path for 1 <= m <= kMaxStreamedRows. Returns false, having
+// done nothing, for layouts it does not take (A with strided columns or FP8;
+// B with neither dimension contiguous).
+template <bool kRoundFp8 = false>
 bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                const Output& c, bool accumulate) {
-  if (m > kMaxRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
+  if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
       (b.row_stride != 1 && b.col_stride != 1)) {
     return false;
   }
   DispatchType(a.type, [&]<ElemType TA>() {
     DispatchType(b.type, [&]<ElemType T>() {
       if constexpr (TA != ElemType::kF8E4M3) {
-        if (b.row_stride == 1) {
-          // B(k, j) = data[j * col_stride + k]: column j is contiguous along
-          // k. kCols columns at a time: m x kCols vector accumulators (half
-          // the registers), summed at the end.
-          constexpr int kCols = kVl == 16 ? (kMaxRows <= 4 ? 4 : 2) : (kMaxRows <= 4 ? 2 : 1);
-          for (int64_t j0 = 0; j0 < n; j0 += kCols) {
-            const int cols = static_cast<int>(MinI(kCols, n - j0));
-            VecF acc[kMaxRows][kCols];
-            float tail[kMaxRows][kCols] = {};
-            for (int i = 0; i < kMaxRows; ++i)
-              for (int j = 0; j < kCols; ++j) acc[i][j] = ZeroF();
-            int64_t k = 0;
-            for (; k + kVl <= k_size; k += kVl) {
-              VecF x[kMaxRows];
-              for (int i = 0; i < kMaxRows; ++i) {
-                x[i] = i < m ? LoadF<TA>(a.data, i * a.row_stride + k) : ZeroF();
-              }
-              for (int j = 0; j < cols; ++j) {
-                VecF w = LoadF<T>(b.data, (j0 + j) * b.col_stride + k);
-                if constexpr (T == ElemType::kF8E4M3) w = WeightF<kRoundFp8>(w, b, k, j0 + j);
-                for (int i = 0; i < kMaxRows; ++i) {
-                  if (i < m) acc[i][j] = FmaF(x[i], w, acc[i][j]);
-                }
-              }
-            }
-            for (; k < k_size; ++k) {
-              for (int j = 0; j < cols; ++j) {
-                const float w = WeightValue<T, kRoundFp8>(b, k, j0 + j);
-                for (int64_t i = 0; i < m; ++i) tail[i][j] += ValueAs<TA>(a, i, k) * w;
-              }
-            }
-            for (int64_t i = 0; i < m; ++i) {
-              for (int j = 0; j < cols; ++j) {
-                StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
-              }
-            }
+        DispatchRows(m, [&]<int kM>() {
+          if (b.row_stride == 1) {
+            StreamKContiguous<kM, kRoundFp8, TA, T>(n, k_size, a, b, c, accumulate);
+          } else {
+            StreamNContiguous<kM, kRoundFp8, TA, T>(n, k_size, a, b, c, accumulate);
           }
-          return;
-        }
-        // B(k, j) = data[k * row_stride + j]: row k is contiguous along j.
-        // Strips of up to kStrip columns: the m rows of C for the strip stay
-        // in L1 while B is read row after row, kStrip contiguous elements at
-        // a time (long runs, as the prefetchers like).
-        constexpr int64_t kStrip = 4096 / kMaxRows;
-        alignas(64) float acc[kMaxRows][kStrip];
-        int64_t j0 = 0;
-        const int64_t full = n / kVl * kVl;
-        for (; j0 < full; j0 += kStrip) {
-          const int64_t width = MinI(kStrip, full - j0);
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
-          for (int64_t k = 0; k < k_size; ++k) {
-            VecF x[kMaxRows];
-            for (int i = 0; i < kMaxRows; ++i) {
-              x[i] = i < m ? SetF(ValueAs<TA>(a, i, k)) : ZeroF();
-            }
-            const int64_t row = k * b.row_stride + j0;
-            for (int64_t j = 0; j < width; j += kVl) {
-              VecF w = LoadF<T>(b.data, row + j);
-              if constexpr (T == ElemType::kF8E4M3) w = WeightF<kRoundFp8>(w, b, k, j0 + j);
-              for (int i = 0; i < kMaxRows; ++i) {
-                if (i < m) StoreF(&acc[i][j], FmaF(x[i], w, LoadPlainF(&acc[i][j])));
-              }
-            }
-          }
-          for (int64_t i = 0; i < m; ++i) {
-            for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
-          }
-        }
-        j0 = full;
-        // The last columns (fewer than one vector), scalar.
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t j = j0; j < n; ++j) {
-            float sum = 0.0f;
-            for (int64_t k = 0; k < k_size; ++k) {
-              sum += ValueAs<TA>(a, i, k) * WeightValue<T, kRoundFp8>(b, k, j);
-            }
-            StoreOut(c, i, j, sum, accumulate);
-          }
-        }
+        });
       }
     });
   });
   return true;
-}
-
-// SmallRows for up to 8 rows, with the register blocking of 4 or of 8.
-template <bool kRoundFp8 = false>
-inline bool SmallRowsUpTo8(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
-                           const Output& c, bool accumulate) {
-  static_assert(kMaxStreamedRows == 8);
-  return m <= 4 ? SmallRows<4, kRoundFp8>(m, n, k_size, a, b, c, accumulate)
-                : SmallRows<8, kRoundFp8>(m, n, k_size, a, b, c, accumulate);
 }
 
 }  // namespace

@@ -114,6 +114,29 @@ __attribute__((target("avx2"))) int64_t UpdateAvx2(const Update& u, int64_t begi
   return i;
 }
 
+// The sum of p[i]^2 over [b, e) in double, in kLanes independent partial sums
+// (one long chain of dependent additions would run at one element per
+// floating-point add latency, several times below memory speed).
+template <typename T>
+double SumOfSquares(const T* p, int64_t b, int64_t e) {
+  constexpr int kLanes = 8;
+  double lane[kLanes] = {};
+  int64_t i = b;
+  for (; i + kLanes <= e; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const double x = static_cast<float>(p[i + l]);
+      lane[l] += x * x;
+    }
+  }
+  double sum = 0;
+  for (; i < e; ++i) {
+    const double x = static_cast<float>(p[i]);
+    sum += x * x;
+  }
+  for (int l = 0; l < kLanes; ++l) sum += lane[l];
+  return sum;
+}
+
 }  // namespace
 
 FusedAdamW::FusedAdamW(std::vector<Group> groups, const AdamWHyper& hyper, bool fused)
@@ -240,22 +263,13 @@ double SquaredNormSum(const std::vector<at::Tensor>& tensors) {
       const float* p = t.const_data_ptr<float>();
       total += at::parallel_reduce(
           0, t.numel(), kGrain, 0.0,
-          [&](int64_t b, int64_t e, double acc) {
-            for (int64_t i = b; i < e; ++i) acc += static_cast<double>(p[i]) * p[i];
-            return acc;
-          },
+          [&](int64_t b, int64_t e, double acc) { return acc + SumOfSquares(p, b, e); },
           std::plus<double>());
     } else if (cpu && t.scalar_type() == at::kBFloat16) {
       const c10::BFloat16* p = t.const_data_ptr<c10::BFloat16>();
       total += at::parallel_reduce(
           0, t.numel(), kGrain, 0.0,
-          [&](int64_t b, int64_t e, double acc) {
-            for (int64_t i = b; i < e; ++i) {
-              const double x = static_cast<float>(p[i]);
-              acc += x * x;
-            }
-            return acc;
-          },
+          [&](int64_t b, int64_t e, double acc) { return acc + SumOfSquares(p, b, e); },
           std::plus<double>());
     } else {
       other.push_back(t.to(at::kDouble).pow(2).sum());

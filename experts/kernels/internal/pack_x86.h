@@ -396,7 +396,7 @@ inline void StreamColumns(int64_t j0, int64_t k_size, const Operand& a, const Op
 template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
 void StreamKContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate) {
-  // Half the vector registers for accumulators.
+  // Accumulators in at most three quarters of the vector registers.
   constexpr int kC = kVl == 16 ? (kM <= 4 ? 4 : 3) : (kM <= 4 ? 2 : 1);
   int64_t j0 = 0;
   for (; j0 + kC <= n; j0 += kC) {

@@ -15,6 +15,12 @@
 // each iteration; reported as ratios to the full step. These use
 // --lora_tokens=512 tokens (the other dimensions as above) so that the default
 // run stays short.
+//
+// Host memory: moefit's caching host allocator, as `moefit train` runs
+// (framework/host_allocator.h), for every benchmark including the GEMM;
+// --host_allocator=system takes LibTorch's default, which maps and clears
+// fresh pages for every large activation and gradient of every iteration. The
+// GEMM's operands always come from LibTorch's default (see BM_Gemm).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 #include <c10/core/TensorImpl.h>
@@ -33,10 +39,12 @@
 #include "experts/expert_problem.h"
 #include "experts/kernels/isa.h"
 #include "experts/registry.h"
+#include "framework/host_allocator.h"
 
 namespace moefit::experts {
 namespace {
 
+bool g_caching_allocator = true;
 ExpertProblemShape g_shape{"layer", 1024, 2048, 768, 32, 8, RoutingPattern::kUniform};
 int64_t g_lora_rank = 8;
 int64_t g_lora_tokens = 512;
@@ -133,8 +141,15 @@ void BM_Gemm(benchmark::State& state, at::ScalarType dtype) {
   const double flops = 3.0 * ExpertForwardFlops(g_shape);
   const int64_t n = 2048, k = 2048;
   const int64_t m = static_cast<int64_t>(std::llround(flops / (2.0 * n * k)));
+  // The ceiling's operands from LibTorch's default allocator whichever the
+  // experts run on: on the machines measured, this GEMM (operands of a few
+  // hundred MB) ran about a third slower in the caching allocator's
+  // huge-page-advised blocks, and a ceiling measured low would flatter the
+  // ratios.
+  framework::UseCachingHostAllocator(false);
   at::Tensor a = at::randn({m, k}).to(dtype), b = at::randn({k, n}).to(dtype);
   at::Tensor c = at::empty({m, n}, a.options());
+  framework::UseCachingHostAllocator(g_caching_allocator);
   for (auto _ : state) {
     at::mm_out(c, a, b);
     benchmark::DoNotOptimize(c.data_ptr());
@@ -159,8 +174,10 @@ class TableReporter : public benchmark::ConsoleReporter {
                 (long)g_shape.num_tokens, (long)g_shape.hidden, (long)g_shape.intermediate,
                 (long)g_shape.num_experts, (long)g_shape.top_k,
                 g_shape.pattern == moefit::experts::RoutingPattern::kSkewed ? "skewed" : "uniform");
-    std::printf("CPU flags: %s; expert kernels: %s\n", kernels::CpuFlags().c_str(),
-                std::string(kernels::IsaName(kernels::ActiveIsa())).c_str());
+    std::printf("CPU flags: %s; expert kernels: %s; host allocator: %s\n",
+                kernels::CpuFlags().c_str(),
+                std::string(kernels::IsaName(kernels::ActiveIsa())).c_str(),
+                g_caching_allocator ? "caching" : "system");
     std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs fp32 GEMM");
     for (const auto& [name, rate] : rates_) {
       auto ceiling = rates_.find("gemm/fp32");
@@ -192,6 +209,7 @@ int main(int argc, char** argv) {
   using moefit::experts::g_shape;
   // Shape flags (ours), then Google Benchmark's own.
   std::vector<char*> rest;
+  bool& caching = moefit::experts::g_caching_allocator;
   for (int i = 0; i < argc; ++i) {
     auto take = [&](const char* flag, int64_t* out) {
       const size_t n = std::strlen(flag);
@@ -201,6 +219,11 @@ int main(int argc, char** argv) {
       }
       return false;
     };
+    if (std::strcmp(argv[i], "--host_allocator=system") == 0) {
+      caching = false;
+      continue;
+    }
+    if (std::strcmp(argv[i], "--host_allocator=caching") == 0) continue;
     if (std::strcmp(argv[i], "--pattern=skewed") == 0) {
       g_shape.pattern = moefit::experts::RoutingPattern::kSkewed;
       continue;
@@ -213,6 +236,7 @@ int main(int argc, char** argv) {
     }
     rest.push_back(argv[i]);
   }
+  moefit::framework::UseCachingHostAllocator(caching);
   int rest_argc = static_cast<int>(rest.size());
   // eager runs LibTorch's per-expert mm: float32 only (its bfloat16 mm has
   // no fast kernel on CPUs without AVX-512 BF16).

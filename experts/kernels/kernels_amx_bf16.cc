@@ -20,7 +20,7 @@
 #include <cstring>
 
 #define MOEFIT_PACK_WIDTH 16
-#include "experts/kernels/internal/bf16_rows_avx2.h"
+#include "experts/kernels/internal/bf16_rows_avx512.h"
 #include "experts/kernels/internal/pack_pairs_avx512.h"
 #include "experts/kernels/internal/packed_kernels.h"
 #include "experts/kernels/internal/swiglu_avx2.h"
@@ -251,7 +251,7 @@ const PackedKernels& AmxBf16Kernels() {
                                &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx2,
+                               &StoreBf16RowAvx512,
                                /*k_pad_pairs=*/kTilePairs,
                                &BeginTiles,
                                &EndTiles};

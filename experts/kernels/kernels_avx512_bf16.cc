@@ -7,7 +7,7 @@
 #include <immintrin.h>
 
 #define MOEFIT_PACK_WIDTH 16
-#include "experts/kernels/internal/bf16_rows_avx2.h"
+#include "experts/kernels/internal/bf16_rows_avx512.h"
 #include "experts/kernels/internal/pack_pairs_avx512.h"
 #include "experts/kernels/internal/packed_kernels.h"
 #include "experts/kernels/internal/swiglu_avx2.h"
@@ -62,7 +62,7 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx2};
+                               &StoreBf16RowAvx512};
   return k;
 }
 

@@ -436,7 +436,7 @@ TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
 
 // A bfloat16 output is the float32 result rounded to nearest even, as c10
 // rounds, on every instruction set's float32 kernels (the bfloat16-pairs
-// kernels of avx512_bf16 and amx_bf16 store with the same AVX2 function):
+// kernels of avx512_bf16 and amx_bf16 store with the same AVX-512 function):
 // halfway cases both ways, either sign,
 // overflow to infinity, subnormals, infinities and NaN (any NaN), written
 // afresh and added to what the output holds. C = A x ones(1, n), so each

@@ -16,6 +16,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/fp8.h"
 #include "checkpoint/natural_order.h"
 #include "checkpoint/safetensors.h"
 #include "checkpoint/training_manifest.h"
@@ -65,7 +66,9 @@ bool IsExpertTensor(const std::string& name) {
 
 // Tensors stored with the weights that transformers does not count as
 // parameters: FP8 block scales (consumed by dequantization) and buffers.
-bool IsScaleTensor(const std::string& name) { return absl::EndsWith(name, "_scale_inv"); }
+bool IsScaleTensor(const std::string& name) {
+  return absl::EndsWith(name, std::string(checkpoint::kScaleInvSuffix));
+}
 bool IsBufferTensor(const std::string& name) {
   return absl::EndsWith(name, ".e_score_correction_bias") ||
          absl::EndsWith(name, ".rotary_emb.inv_freq");

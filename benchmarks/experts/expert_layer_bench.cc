@@ -16,11 +16,11 @@
 // --lora_tokens=512 tokens (the other dimensions as above) so that the default
 // run stays short.
 //
-// Host memory: moefit's caching host allocator, as `moefit train` runs
-// (framework/host_allocator.h), for every benchmark including the GEMM;
-// --host_allocator=system takes LibTorch's default, which maps and clears
-// fresh pages for every large activation and gradient of every iteration. The
-// GEMM's operands always come from LibTorch's default (see BM_Gemm).
+// Host memory: the expert layers run on moefit's caching host allocator, as
+// `moefit train` runs them (framework/host_allocator.h); --host_allocator=system
+// takes LibTorch's default, which maps and clears fresh pages for every large
+// activation and gradient of every iteration. The GEMM's operands always come
+// from LibTorch's default (see BM_Gemm).
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
 #include <c10/core/TensorImpl.h>
@@ -142,7 +142,7 @@ void BM_Gemm(benchmark::State& state, at::ScalarType dtype) {
   const int64_t n = 2048, k = 2048;
   const int64_t m = static_cast<int64_t>(std::llround(flops / (2.0 * n * k)));
   // The ceiling's operands from LibTorch's default allocator whichever the
-  // experts run on: on the machines measured, this GEMM (operands of a few
+  // experts run on: on the machine measured, this GEMM (operands of a few
   // hundred MB) ran about a third slower in the caching allocator's
   // huge-page-advised blocks, and a ceiling measured low would flatter the
   // ratios.
@@ -209,7 +209,6 @@ int main(int argc, char** argv) {
   using moefit::experts::g_shape;
   // Shape flags (ours), then Google Benchmark's own.
   std::vector<char*> rest;
-  bool& caching = moefit::experts::g_caching_allocator;
   for (int i = 0; i < argc; ++i) {
     auto take = [&](const char* flag, int64_t* out) {
       const size_t n = std::strlen(flag);
@@ -220,7 +219,7 @@ int main(int argc, char** argv) {
       return false;
     };
     if (std::strcmp(argv[i], "--host_allocator=system") == 0) {
-      caching = false;
+      moefit::experts::g_caching_allocator = false;
       continue;
     }
     if (std::strcmp(argv[i], "--host_allocator=caching") == 0) continue;
@@ -236,7 +235,7 @@ int main(int argc, char** argv) {
     }
     rest.push_back(argv[i]);
   }
-  moefit::framework::UseCachingHostAllocator(caching);
+  moefit::framework::UseCachingHostAllocator(moefit::experts::g_caching_allocator);
   int rest_argc = static_cast<int>(rest.size());
   // eager runs LibTorch's per-expert mm: float32 only (its bfloat16 mm has
   // no fast kernel on CPUs without AVX-512 BF16).

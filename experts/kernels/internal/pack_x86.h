@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <utility>
 
 #include "experts/kernels/internal/pack_common.h"
 
@@ -376,6 +377,8 @@ inline void StreamColumns(int64_t j0, int64_t k_size, const Operand& a, const Op
     VecF x[kM];
     for (int i = 0; i < kM; ++i) x[i] = LoadF<TA>(a.data, i * a.row_stride + k);
     for (int j = 0; j < kC; ++j) {
+      // The next columns' rows asked for ahead (float32 streamed as fast
+      // without, within noise, so not there).
       if constexpr (T != ElemType::kF32) Prefetch<T>(b.data, (j0 + kC + j) * b.col_stride + k);
       const VecF w = LoadWeightF<T, kRoundFp8>(b, (j0 + j) * b.col_stride + k, k, j0 + j);
       for (int i = 0; i < kM; ++i) acc[i][j] = FmaF(x[i], w, acc[i][j]);
@@ -468,33 +471,10 @@ void StreamNContiguous(int64_t n, int64_t k_size, const Operand& a, const Operan
 // Runs fn.template operator()<kM>() for kM = m, 1 <= m <= kMaxStreamedRows.
 template <typename Fn>
 inline void DispatchRows(int64_t m, const Fn& fn) {
-  static_assert(kMaxStreamedRows == 8);
-  switch (m) {
-    case 1:
-      fn.template operator()<1>();
-      break;
-    case 2:
-      fn.template operator()<2>();
-      break;
-    case 3:
-      fn.template operator()<3>();
-      break;
-    case 4:
-      fn.template operator()<4>();
-      break;
-    case 5:
-      fn.template operator()<5>();
-      break;
-    case 6:
-      fn.template operator()<6>();
-      break;
-    case 7:
-      fn.template operator()<7>();
-      break;
-    default:
-      fn.template operator()<8>();
-      break;
+  [&]<int... kI>(std::integer_sequence<int, kI...>) {
+    (void)((m == kI + 1 && (fn.template operator()<kI + 1>(), true)) || ...);
   }
+  (std::make_integer_sequence<int, kMaxStreamedRows>{});
 }
 
 // The streamed path for 1 <= m <= kMaxStreamedRows. Returns false, having

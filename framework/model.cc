@@ -517,25 +517,31 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   } else if (l.mlp.gate.defined()) {
     shared = SwiGlu(x, l.mlp);
   }
-  // d-e. Remap and dispatch each (token, slot) row to the owner of its expert.
+  // d-g. Remap and dispatch each (token, slot) row to the owner of its expert,
+  // compute this rank's experts (with their adapters under LoRA), and combine:
+  // each token's routing-weighted sum over its experts comes home. In
+  // runtime_.dispatch_chunks chunks of tokens, pipelined.
   const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
-  parallel::DispatchedRows rows = dispatcher_->Dispatch(x_host, r.topk_idx.to(at::kCPU),
-                                                        r.topk_weight.to(at::kCPU, at::kFloat));
-  // f. Expert compute on this rank's experts (with their adapters under LoRA).
-  experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts,
-                                .row_index = rows.row_index,
-                                .row_copies = rows.row_copies};
   experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora, l.gate_up_scale,
                                  l.down_scale};
+  experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};
   if (l.gate_up_compute.defined()) {
     ffn.gate_up_master = l.gate_up_proj;
     ffn.down_master = l.down_proj;
     weights.gate_up_proj = l.gate_up_compute;
     weights.down_proj = l.down_compute;
   }
-  at::Tensor y = experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, ffn);
-  // g. Combine: each token's routing-weighted sum over its experts comes home.
-  at::Tensor out = dispatcher_->Combine(y, *rows.route).to(x.scalar_type());
+  auto compute = [&](const parallel::DispatchedRows& rows) {
+    experts::ExpertFfnOptions chunk_ffn = ffn;
+    chunk_ffn.row_index = rows.row_index;
+    chunk_ffn.row_copies = rows.row_copies;
+    return experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, chunk_ffn);
+  };
+  at::Tensor out =
+      dispatcher_
+          ->Run(x_host, r.topk_idx.to(at::kCPU), r.topk_weight.to(at::kCPU, at::kFloat),
+                runtime_.dispatch_chunks, compute)
+          .to(x.scalar_type());
   out = internal::MoveActivations(out, x.device());  // back to the dense device
   return shared.defined() ? out + shared : out;
 }

@@ -81,6 +81,9 @@ struct ModelRuntime {
   // "allgather", parallel/dispatcher.h).
   std::shared_ptr<parallel::Communicator> expert_group;
   std::string dispatcher = "alltoall";
+  // Token chunks each MoE layer's dispatch, expert compute and combine are
+  // pipelined over (Dispatcher::Run); 1 = no pipelining.
+  int64_t dispatch_chunks = 1;
 
   // The dtype the experts' inputs and outputs travel and compute in.
   at::ScalarType expert_compute_dtype() const {

@@ -74,6 +74,8 @@ const char kDefaults[] = R"pb(
     ranks_per_gpu: 1
     grad_sync: "overlap"
     grad_bucket_bytes: 33554432
+    dispatch_chunks: 1
+    progress_thread_us: 0
   }
   checkpoint { max_shard_bytes: 5000000000 }
   logging { log_every: 1 }
@@ -970,6 +972,16 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 "' is unknown (known: ", absl::StrJoin(dispatchers, ", "), ")"));
   }
   run.runtime.dispatcher = c.parallel().dispatcher();
+  if (c.parallel().dispatch_chunks() < 1) {
+    return Invalid(absl::StrCat("parallel.dispatch_chunks = ", c.parallel().dispatch_chunks(),
+                                " must be >= 1"));
+  }
+  run.runtime.dispatch_chunks = c.parallel().dispatch_chunks();
+  if (c.parallel().progress_thread_us() < 0) {
+    return Invalid(absl::StrCat("parallel.progress_thread_us = ", c.parallel().progress_thread_us(),
+                                " must be >= 0 (0: no progress thread)"));
+  }
+  run.progress_thread_us = c.parallel().progress_thread_us();
   for (const auto& [name, seconds] :
        {std::pair<const char*, double>{"parallel.timeout_s", c.parallel().timeout_s()},
         {"parallel.startup_timeout_s", c.parallel().startup_timeout_s()}}) {

@@ -94,6 +94,9 @@ struct RunConfig {
   // Collective deadlines (parallel.timeout_s, parallel.startup_timeout_s).
   double timeout_s = 300;
   double startup_timeout_s = 1800;
+  // An MPI progress thread polling every this many microseconds while
+  // collectives are in flight (parallel.progress_thread_us); 0 = none.
+  int64_t progress_thread_us = 0;
 };
 
 // Resolves the model fields alone: family defaults, then every check. What

@@ -41,6 +41,7 @@
 #include "parallel/fault_injection.h"
 #include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
+#include "parallel/mpi_progress.h"
 #include "parallel/mpi_runtime.h"
 #include "parallel/watchdog.h"
 #include "proto/status_macros.h"
@@ -225,18 +226,36 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
 }
 
 // Runs `body` with MPI's world under mpirun, else a world of one; a failure on
-// any rank of a multi-rank job ends all ranks.
+// any rank of a multi-rank job ends all ranks. Under mpirun with
+// progress_thread_us > 0, MPI runs at MPI_THREAD_MULTIPLE with a progress
+// thread (parallel/mpi_progress.h).
 int RunCollective(int* argc, char*** argv,
-                  const std::function<absl::Status(std::shared_ptr<parallel::Communicator>)>& body) {
+                  const std::function<absl::Status(std::shared_ptr<parallel::Communicator>)>& body,
+                  int64_t progress_thread_us = 0) {
   std::unique_ptr<parallel::MpiRuntime> mpi;
+  std::unique_ptr<parallel::MpiProgressThread> progress;  // stopped before MPI is finalized
   std::shared_ptr<parallel::Communicator> world;
   if (LaunchedByMpirun()) {
-    auto started = parallel::MpiRuntime::Start(argc, argv);
-    if (!started.ok()) return Fail(started.status());
+    parallel::MpiRuntimeOptions options;
+    if (progress_thread_us > 0) options.required_thread_level = MPI_THREAD_MULTIPLE;
+    auto started = parallel::MpiRuntime::Start(argc, argv, options);
+    if (!started.ok()) {
+      return Fail(
+          progress_thread_us > 0
+              ? absl::Status(started.status().code(),
+                             absl::StrCat("parallel.progress_thread_us = ", progress_thread_us,
+                                          ": ", started.status().message()))
+              : started.status());
+    }
     mpi = std::move(*started);
     auto comm = parallel::MpiCommunicator::Create(MPI_COMM_WORLD);
     if (!comm.ok()) return Fail(comm.status());
     world = std::move(*comm);
+    if (progress_thread_us > 0) {
+      auto thread = parallel::MpiProgressThread::Start(absl::Microseconds(progress_thread_us));
+      if (!thread.ok()) parallel::AbortAll(kExitBadInput, thread.status().ToString());
+      progress = std::move(*thread);
+    }
   } else {
     world = parallel::LocalCommunicator::Create("world");
   }
@@ -392,17 +411,23 @@ int Main(int argc, char** argv) {
     parallel::ConfigureWatchdog({.timeout = absl::Seconds(run.timeout_s),
                                  .startup_timeout = absl::Seconds(run.startup_timeout_s)});
     if (cmd == "train") {
-      return RunCollective(&argc, &argv, [&](auto world) {
-        MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
-        return RunTraining(run, world, std::cout);
-      });
+      return RunCollective(
+          &argc, &argv,
+          [&](auto world) {
+            MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+            return RunTraining(run, world, std::cout);
+          },
+          run.progress_thread_us);
     }
     EvalOptions eval{absl::GetFlag(FLAGS_eval_sequences), absl::GetFlag(FLAGS_save_logits),
                      absl::GetFlag(FLAGS_input_ids)};
-    return RunCollective(&argc, &argv, [&](auto world) {
-      MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
-      return RunEval(run, eval, world, std::cout);
-    });
+    return RunCollective(
+        &argc, &argv,
+        [&](auto world) {
+          MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+          return RunEval(run, eval, world, std::cout);
+        },
+        run.progress_thread_us);
   }
   if (cmd == "inspect") {
     if (args.positional.size() != 1) {

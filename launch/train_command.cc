@@ -222,8 +222,15 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
         << std::endl;
   }
   if (world->size() > 1) {
-    log << absl::StrFormat("moefit: %d ranks, expert-parallel groups of %d (%d experts each), %s dispatch",
-                           world->size(), groups.ep_size, local, run.runtime.dispatcher)
+    log << absl::StrFormat(
+               "moefit: %d ranks, expert-parallel groups of %d (%d experts each), %s dispatch%s%s",
+               world->size(), groups.ep_size, local, run.runtime.dispatcher,
+               run.runtime.dispatch_chunks > 1
+                   ? absl::StrFormat(" pipelined over %d token chunks", run.runtime.dispatch_chunks)
+                   : "",
+               run.progress_thread_us > 0
+                   ? absl::StrFormat(", MPI progress thread every %d us", run.progress_thread_us)
+                   : "")
         << std::endl;
   }
   if (world->rank() == 0 && !run.train.metrics_file.empty() && resume_dir.empty()) {

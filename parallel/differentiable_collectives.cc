@@ -22,14 +22,6 @@ std::vector<int64_t> Shape(const at::Tensor& x, int64_t rows) {
   return s;
 }
 
-at::Tensor RunAllToAll(Communicator& comm, const at::Tensor& x, const std::vector<int64_t>& send,
-                       const std::vector<int64_t>& recv) {
-  at::Tensor in = x.contiguous();
-  at::Tensor out = at::empty(Shape(in, Sum(recv)), in.options());
-  comm.AllToAllV(in, send, out, recv)->WaitOrThrow();
-  return out;
-}
-
 at::Tensor RunAllGather(Communicator& comm, const at::Tensor& x, const std::vector<int64_t>& rows) {
   at::Tensor in = x.contiguous();
   at::Tensor out = at::empty(Shape(in, Sum(rows)), in.options());
@@ -42,21 +34,6 @@ at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vec
   comm.AllReduce(sum, ReduceOp::kSum)->WaitOrThrow();
   const int64_t begin = std::accumulate(rows.begin(), rows.begin() + comm.rank(), int64_t{0});
   return sum.narrow(0, begin, rows[comm.rank()]).clone();
-}
-
-// Each member's row of x to its rank, read where it lies (AllToAllVGather).
-at::Tensor RunSendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& rel,
-                       const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-  at::Tensor in = x.contiguous();
-  at::Tensor out = at::empty(Shape(in, Sum(recv)), in.options());
-  comm.AllToAllVGather(in, internal::GroupOf(rel), send, out, recv)->WaitOrThrow();
-  return out;
-}
-
-// Rows back from the ranks, each group of the relation summing its members.
-at::Tensor RunReturnRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& rel,
-                         const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-  return internal::Collect(RunAllToAll(comm, x, send, recv), rel);
 }
 
 // The layer and phase of the forward collective, so that a watchdog report
@@ -83,53 +60,95 @@ Communicator* SavedComm(AutogradContext* ctx) {
   return reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
 }
 
-// The route MoveRowsFn keeps: the relation and the per-peer
-// row counts of their forward.
-void SaveRoute(AutogradContext* ctx, Communicator* comm, const internal::RowRelation& rel,
-               const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-  ctx->saved_data["comm"] = reinterpret_cast<int64_t>(comm);
-  SaveProgress(ctx);
-  ctx->saved_data["members"] = rel.members;
-  ctx->saved_data["slot"] = rel.slot;
-  ctx->saved_data["send"] = send;
-  ctx->saved_data["recv"] = recv;
+// What the two halves of a split row move share: the route, and the
+// collective in flight with its receive buffer (the forward's, then the
+// backward's).
+struct RowMove final : torch::CustomClassHolder {
+  Communicator* comm = nullptr;
+  bool send_rows = true;  // SendRows; false: ReturnRows
+  internal::RowRelation rel;
+  std::vector<int64_t> send, recv;    // the forward's rows per peer
+  at::ScalarType dtype = at::kFloat;  // the moved tensor's
+  std::shared_ptr<Work> work;
+  at::Tensor received;
+};
+
+c10::intrusive_ptr<RowMove> SavedMove(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<RowMove>(ctx->saved_data["move"].toCapsule());
 }
 
-internal::RowRelation SavedRelation(AutogradContext* ctx) {
-  return {ctx->saved_data["members"].toTensor(), ctx->saved_data["slot"].toTensor()};
+// Posts x's rows along the relation: as SendRows (each member's group row
+// to its rank, read where it lies) or as the first half of ReturnRows (the
+// rows to the ranks, in order, to be summed into groups when received).
+void Post(RowMove& move, bool send_rows, const at::Tensor& x, const std::vector<int64_t>& send,
+          const std::vector<int64_t>& recv) {
+  const at::Tensor in = x.contiguous();
+  move.received = at::empty(Shape(in, Sum(recv)), in.options());
+  move.work = send_rows ? move.comm->AllToAllVGather(in, internal::GroupOf(move.rel), send,
+                                                     move.received, recv)
+                        : move.comm->AllToAllV(in, send, move.received, recv);
 }
 
-// SendRows (kSend) and ReturnRows are each other's transposes: each one's
-// backward is the other's forward along the opposite route, and the gradient
-// leaves in the dtype its input had.
-template <bool kSend>
-class MoveRowsFn : public torch::autograd::Function<MoveRowsFn<kSend>> {
+// Waits for what Post(send_rows) posted: the received rows, or their sums
+// into the relation's groups.
+at::Tensor Finish(RowMove& move, bool send_rows) {
+  move.work->WaitOrThrow();
+  move.work.reset();
+  at::Tensor out = std::move(move.received);
+  return send_rows ? out : internal::Collect(out, move.rel);
+}
+
+// The first half: posts the move; its output is only the link to the second
+// half. Backward: waits for the gradients' move that the second half's
+// backward posted.
+class StartMoveFn : public torch::autograd::Function<StartMoveFn> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, Communicator* comm,
-                            const at::Tensor& members, const at::Tensor& slot,
-                            const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
-    const internal::RowRelation rel{members, slot};
-    SaveRoute(ctx, comm, rel, send, recv);
-    ctx->saved_data["dtype"] = static_cast<int64_t>(x.scalar_type());
-    return Move(kSend, *comm, x, rel, send, recv);
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<RowMove> move) {
+    SaveProgress(ctx);
+    move->dtype = x.scalar_type();
+    Post(*move, move->send_rows, x, move->send, move->recv);
+    ctx->saved_data["move"] = c10::IValue::make_capsule(move);
+    return at::empty({0}, x.options());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list) {
+    const BackwardProgress progress(ctx);
+    const c10::intrusive_ptr<RowMove> move = SavedMove(ctx);
+    return {Finish(*move, !move->send_rows).to(move->dtype), at::Tensor()};
+  }
+};
+
+// The second half: waits for the move. Backward: posts the gradients along
+// the opposite route, the transposed move (SendRows and ReturnRows are each
+// other's transposes), in the moved tensor's dtype.
+class FinishMoveFn : public torch::autograd::Function<FinishMoveFn> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& /*link*/,
+                            c10::intrusive_ptr<RowMove> move) {
+    SaveProgress(ctx);
+    ctx->saved_data["move"] = c10::IValue::make_capsule(move);
+    return Finish(*move, move->send_rows);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const BackwardProgress progress(ctx);
-    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
-    at::Tensor grad =
-        Move(!kSend, *SavedComm(ctx), grads[0].to(dtype), SavedRelation(ctx),
-             ctx->saved_data["recv"].toIntVector(), ctx->saved_data["send"].toIntVector());
-    return {grad.to(dtype), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-
- private:
-  static at::Tensor Move(bool send_rows, Communicator& comm, const at::Tensor& x,
-                         const internal::RowRelation& rel, const std::vector<int64_t>& send,
-                         const std::vector<int64_t>& recv) {
-    return send_rows ? RunSendRows(comm, x, rel, send, recv)
-                     : RunReturnRows(comm, x, rel, send, recv);
+    const c10::intrusive_ptr<RowMove> move = SavedMove(ctx);
+    Post(*move, !move->send_rows, grads[0].to(move->dtype), move->recv, move->send);
+    return {at::empty({0}, grads[0].options().dtype(move->dtype)), at::Tensor()};
   }
 };
+
+RowsInFlight StartMove(bool send_rows, Communicator& comm, const at::Tensor& x,
+                       const internal::RowRelation& relation, const std::vector<int64_t>& send,
+                       const std::vector<int64_t>& recv) {
+  auto move = c10::make_intrusive<RowMove>();
+  move->comm = &comm;
+  move->send_rows = send_rows;
+  move->rel = relation;
+  move->send = send;
+  move->recv = recv;
+  at::Tensor link = StartMoveFn::apply(x, move);
+  return {std::move(link), std::move(move)};
+}
 
 class AllGatherRowsFn : public torch::autograd::Function<AllGatherRowsFn> {
  public:
@@ -165,19 +184,35 @@ class SumKeepOwnRowsFn : public torch::autograd::Function<SumKeepOwnRowsFn> {
 
 }  // namespace
 
+RowsInFlight StartSendRows(Communicator& comm, const at::Tensor& x,
+                           const internal::RowRelation& relation,
+                           const std::vector<int64_t>& send_counts,
+                           const std::vector<int64_t>& recv_counts) {
+  return StartMove(/*send_rows=*/true, comm, x, relation, send_counts, recv_counts);
+}
+
+RowsInFlight StartReturnRows(Communicator& comm, const at::Tensor& x,
+                             const internal::RowRelation& relation,
+                             const std::vector<int64_t>& send_counts,
+                             const std::vector<int64_t>& recv_counts) {
+  return StartMove(/*send_rows=*/false, comm, x, relation, send_counts, recv_counts);
+}
+
+at::Tensor FinishRows(const RowsInFlight& rows) {
+  return FinishMoveFn::apply(rows.link, c10::static_intrusive_pointer_cast<RowMove>(rows.move));
+}
+
 at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
                     const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& recv_counts) {
-  return MoveRowsFn<true>::apply(x, &comm, relation.members, relation.slot, send_counts,
-                                 recv_counts);
+  return FinishRows(StartSendRows(comm, x, relation, send_counts, recv_counts));
 }
 
 at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
                       const internal::RowRelation& relation,
                       const std::vector<int64_t>& send_counts,
                       const std::vector<int64_t>& recv_counts) {
-  return MoveRowsFn<false>::apply(x, &comm, relation.members, relation.slot, send_counts,
-                                  recv_counts);
+  return FinishRows(StartReturnRows(comm, x, relation, send_counts, recv_counts));
 }
 
 at::Tensor AllGatherRows(Communicator& comm, const at::Tensor& x,

@@ -1,6 +1,8 @@
 // The explicit registry of dispatchers; see dispatcher.h.
 #include "parallel/dispatcher.h"
 
+#include <ATen/ATen.h>
+
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -24,6 +26,34 @@ const std::vector<Entry>& Entries() {
 }
 
 }  // namespace
+
+std::vector<int64_t> ChunkSizes(int64_t num_tokens, int64_t num_chunks) {
+  std::vector<int64_t> sizes(num_chunks);
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    sizes[c] = num_tokens * (c + 1) / num_chunks - num_tokens * c / num_chunks;
+  }
+  return sizes;
+}
+
+at::Tensor Dispatcher::Run(const at::Tensor& x, const at::Tensor& topk_idx,
+                           const at::Tensor& topk_weight, int64_t num_chunks,
+                           const ExpertCompute& experts) {
+  TORCH_CHECK(num_chunks >= 1, "Dispatcher::Run: num_chunks must be at least 1, not ", num_chunks);
+  if (num_chunks == 1) {
+    DispatchedRows d = Dispatch(x, topk_idx, topk_weight);
+    return Combine(experts(d), *d.route);
+  }
+  const std::vector<int64_t> sizes = ChunkSizes(x.size(0), num_chunks);
+  const std::vector<at::Tensor> xs = x.split_with_sizes(sizes);
+  const std::vector<at::Tensor> idx = topk_idx.split_with_sizes(sizes);
+  const std::vector<at::Tensor> ws = topk_weight.split_with_sizes(sizes);
+  std::vector<at::Tensor> out;
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    DispatchedRows d = Dispatch(xs[c], idx[c], ws[c]);
+    out.push_back(Combine(experts(d), *d.route));
+  }
+  return at::cat(out);
+}
 
 std::vector<std::string> DispatcherNames() {
   std::vector<std::string> names;

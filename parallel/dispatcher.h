@@ -23,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -59,6 +60,10 @@ struct DispatchedRows {
   int64_t sent_rows = 0;
 };
 
+// The experts' part of a layer's routed path: given the rows a (chunk's)
+// dispatch brought, their outputs [A, H], one per computation row.
+using ExpertCompute = std::function<at::Tensor(const DispatchedRows&)>;
+
 class Dispatcher {
  public:
   virtual ~Dispatcher() = default;
@@ -74,7 +79,25 @@ class Dispatcher {
   // token's sum over its k slots of weight x expert output, in y's dtype
   // promoted to at least float32. Collective.
   virtual at::Tensor Combine(const at::Tensor& y, const Route& route) = 0;
+
+  // A layer's whole routed path, Combine(experts(Dispatch(x, ...))), over
+  // `num_chunks` consecutive ranges of about N / num_chunks tokens, each
+  // dispatched, computed and combined on its own; [N, H] as Combine's. With
+  // more than one chunk a dispatcher that can pipelines them (alltoall): chunk
+  // c + 1's rows travel while the experts compute chunk c, and chunk c's
+  // outputs travel home while they compute chunk c + 1, in backward as well.
+  // This default runs the chunks one after another. Each token's output is
+  // computed from the same rows either way; chunking changes which rows share
+  // an expert GEMM (and so the summation order of weight gradients).
+  // num_chunks >= 1, the same on every rank. Collective.
+  virtual at::Tensor Run(const at::Tensor& x, const at::Tensor& topk_idx,
+                         const at::Tensor& topk_weight, int64_t num_chunks,
+                         const ExpertCompute& experts);
 };
+
+// The sizes of `num_chunks` consecutive ranges that split `num_tokens` tokens
+// about evenly (the later ones longer by one where it does not divide).
+std::vector<int64_t> ChunkSizes(int64_t num_tokens, int64_t num_chunks);
 
 // Names of the dispatchers, in registration order.
 std::vector<std::string> DispatcherNames();

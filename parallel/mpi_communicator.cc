@@ -25,6 +25,7 @@
 #include "absl/time/clock.h"
 #include "parallel/internal/collective_checks.h"
 #include "parallel/internal/mpi_util.h"
+#include "parallel/mpi_progress.h"
 #include "parallel/watchdog.h"
 #include "proto/status_macros.h"
 
@@ -128,6 +129,10 @@ class MpiWork final : public Work {
   // Posts the MPI calls; a failure to post completes the work with that error.
   void Start(const std::function<absl::Status(PendingMpi&)>& post) {
     const absl::Status status = post(*pending_);
+    if (!pending_->requests.empty()) {
+      internal::NoteMpiWorkPosted();  // the progress thread, if any, runs
+      counted_ = true;
+    }
     if (!status.ok() || pending_->requests.empty()) Finish(status);
   }
 
@@ -177,6 +182,7 @@ class MpiWork final : public Work {
       }
     }
     completed_ = true;
+    if (counted_) internal::NoteMpiWorkFinished();
     if (status.ok()) {
       pending_.reset();
       status_ = absl::OkStatus();
@@ -191,6 +197,7 @@ class MpiWork final : public Work {
   const std::string what_;
   std::unique_ptr<PendingMpi> pending_;
   bool completed_ = false;
+  bool counted_ = false;  // NoteMpiWorkPosted was called
   absl::Status status_;
 };
 

@@ -5,8 +5,9 @@
 // Every collective is posted as an MPI-3 non-blocking call (MPI_Ialltoallv,
 // MPI_Iallreduce, ...) and returned as a Work; Wait() completes it. Open MPI
 // progresses non-blocking collectives inside MPI calls, so overlap with compute
-// is limited to what Wait/IsCompleted polling provides, but the handle already
-// lets a watchdog bound every wait.
+// is limited to what Wait/IsCompleted polling provides unless an MPI progress
+// thread runs (parallel/mpi_progress.h); the handle lets a watchdog bound
+// every wait.
 //
 // How tensors travel:
 //   * rows (AllToAllV, AllGather(V)) as one contiguous derived datatype per

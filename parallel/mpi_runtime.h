@@ -4,7 +4,8 @@
 // holds it for the life of main(), so MPI_Init_thread runs once, before any
 // communicator exists, and MPI_Finalize runs once, after main's work is done.
 // moefit issues every MPI call from the thread that started MPI, so
-// MPI_THREAD_FUNNELED suffices and is what it asks for by default.
+// MPI_THREAD_FUNNELED suffices and is what it asks for by default; an MPI
+// progress thread (parallel/mpi_progress.h) needs MPI_THREAD_MULTIPLE.
 //
 // AbortAll is how a rank that cannot go on ends the whole job. A rank that
 // simply exits leaves its peers blocked in the next collective until someone

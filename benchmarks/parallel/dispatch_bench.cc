@@ -12,10 +12,16 @@
 //     before the timing: the expert layer writes it.
 //  2. One training step of a small MoE model split into dense compute, expert
 //     compute and communication (time blocked in collectives), averaged over
-//     steps after a warm-up.
+//     steps after a warm-up; with each MoE layer in 1 chunk (no pipelining),
+//     then pipelined over 2, 4, ... up to --max_chunks token chunks
+//     (parallel.dispatch_chunks), with the share of the one-chunk run's
+//     communication time that pipelining hid.
 //
 //   mpirun -np 2 --oversubscribe build/benchmarks/dispatch_bench [--tokens=4096]
 //        [--hidden=2048] [--top_k=8] [--experts=32] [--reps=10] [--steps=6]
+//        [--max_chunks=4] [--progress_us=0]
+// --progress_us=N runs MPI's progress engine on a thread of its own every N
+// microseconds while collectives are in flight (parallel.progress_thread_us).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <mpi.h>
@@ -36,6 +42,7 @@
 #include "launch/corpus.h"
 #include "parallel/dispatcher.h"
 #include "parallel/mpi_communicator.h"
+#include "parallel/mpi_progress.h"
 #include "parallel/mpi_runtime.h"
 #include "parallel/process_groups.h"
 
@@ -45,6 +52,7 @@ using Clock = std::chrono::steady_clock;
 
 struct Flags {
   int64_t tokens = 4096, hidden = 2048, top_k = 8, experts = 32, reps = 10, steps = 6;
+  int64_t max_chunks = 4, progress_us = 0;
 };
 
 Flags ParseFlags(int argc, char** argv) {
@@ -60,6 +68,8 @@ Flags ParseFlags(int argc, char** argv) {
     take("--experts", &f.experts);
     take("--reps", &f.reps);
     take("--steps", &f.steps);
+    take("--max_chunks", &f.max_chunks);
+    take("--progress_us", &f.progress_us);
   }
   return f;
 }
@@ -179,33 +189,61 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
   }
 }
 
-void StepSplit(moefit::parallel::ProcessGroups& groups, const Flags& f) {
+struct StepTimes {
+  double step = 0, expert = 0, comm = 0;  // seconds, mean per step, max over ranks
+};
+
+StepTimes TrainSteps(moefit::parallel::ProcessGroups& groups, const Flags& f, int64_t chunks) {
   using namespace moefit;
-  auto config = launch::LoadConfig("", {"train.steps=" + std::to_string(f.steps),
-                                        "train.micro_batch_size=8", "logging.metrics_file="});
+  auto config = launch::LoadConfig(
+      "", {"train.steps=" + std::to_string(f.steps), "train.micro_batch_size=8",
+           "logging.metrics_file=", "parallel.dispatch_chunks=" + std::to_string(chunks)});
   auto run = launch::ResolveConfig(*config);
+  if (!run.ok()) parallel::AbortAll(1, run.status().ToString());
   run->runtime.expert_group = groups.expert_parallel;
   auto data = framework::TokenDataset::FromText(launch::ShippedCorpus(), run->seq_len, "corpus");
   auto model = framework::MoeModel::Create(run->model, run->runtime, run->train.seed);
   framework::Trainer trainer(**model, *data, run->train, &groups);
   std::ostringstream log;
   auto stats = trainer.Run(log);
-  double step = 0, expert = 0, comm = 0;
+  StepTimes t;
   int n = 0;
   for (size_t i = 1; i < stats->size(); ++i, ++n) {  // step 1 is warm-up
-    step += (*stats)[i].seconds;
-    expert += (*stats)[i].expert_seconds;
-    comm += (*stats)[i].comm_seconds;
+    t.step += (*stats)[i].seconds;
+    t.expert += (*stats)[i].expert_seconds;
+    t.comm += (*stats)[i].comm_seconds;
   }
-  step = MaxOverRanks(step / n);
-  expert = MaxOverRanks(expert / n);
-  comm = MaxOverRanks(comm / n);
-  if (groups.world->rank() == 0) {
-    std::printf("training step of the demo model (%d ranks, 8 x 128 tokens per rank), mean of %d steps:\n",
-                groups.world->size(), n);
-    std::printf("  step %.1f ms = dense %.1f ms (%.0f%%) + expert %.1f ms (%.0f%%) + communication %.1f ms (%.0f%%)\n",
-                step * 1e3, (step - expert - comm) * 1e3, 100 * (step - expert - comm) / step,
-                expert * 1e3, 100 * expert / step, comm * 1e3, 100 * comm / step);
+  t.step = MaxOverRanks(t.step / n);
+  t.expert = MaxOverRanks(t.expert / n);
+  t.comm = MaxOverRanks(t.comm / n);
+  return t;
+}
+
+void StepSplit(moefit::parallel::ProcessGroups& groups, const Flags& f) {
+  const bool print = groups.world->rank() == 0;
+  if (print) {
+    std::printf(
+        "training step of the demo model (%d ranks, 8 x 128 tokens per rank), mean of %ld "
+        "steps after one:\n",
+        groups.world->size(), static_cast<long>(f.steps - 1));
+  }
+  StepTimes one;
+  for (int64_t chunks = 1; chunks <= std::max<int64_t>(f.max_chunks, 1); chunks *= 2) {
+    const StepTimes t = TrainSteps(groups, f, chunks);
+    if (chunks == 1) one = t;
+    if (!print) continue;
+    const double dense = t.step - t.expert - t.comm;
+    std::printf(
+        "  %ld chunk%s: step %.1f ms = dense %.1f ms (%.0f%%) + expert %.1f ms (%.0f%%) + "
+        "communication %.1f ms (%.0f%%)",
+        static_cast<long>(chunks), chunks == 1 ? " " : "s", t.step * 1e3, dense * 1e3,
+        100 * dense / t.step, t.expert * 1e3, 100 * t.expert / t.step, t.comm * 1e3,
+        100 * t.comm / t.step);
+    if (chunks > 1) {
+      std::printf("; communication hidden %.0f%%, step %.2fx", 100 * (one.comm - t.comm) / one.comm,
+                  one.step / t.step);
+    }
+    std::printf("\n");
   }
 }
 
@@ -213,12 +251,24 @@ void StepSplit(moefit::parallel::ProcessGroups& groups, const Flags& f) {
 
 int main(int argc, char** argv) {
   using namespace moefit;
-  auto runtime = parallel::MpiRuntime::Start(&argc, &argv);
-  if (!runtime.ok()) return 1;
   const Flags f = ParseFlags(argc, argv);
+  auto runtime = parallel::MpiRuntime::Start(
+      &argc, &argv,
+      {.required_thread_level = f.progress_us > 0 ? MPI_THREAD_MULTIPLE : MPI_THREAD_FUNNELED});
+  if (!runtime.ok()) return 1;
+  std::unique_ptr<parallel::MpiProgressThread> progress;
+  if (f.progress_us > 0) {
+    auto started = parallel::MpiProgressThread::Start(absl::Microseconds(f.progress_us));
+    if (!started.ok()) parallel::AbortAll(1, started.status().ToString());
+    progress = std::move(*started);
+  }
   auto world = parallel::MpiCommunicator::Create(MPI_COMM_WORLD);
   auto groups = parallel::MakeProcessGroups(*world, {});
   if (!groups.ok()) parallel::AbortAll(1, groups.status().ToString());
+  if (world.value()->rank() == 0 && f.progress_us > 0) {
+    std::printf("MPI progress thread every %ld us while collectives are in flight\n\n",
+                static_cast<long>(f.progress_us));
+  }
   try {
     DispatchVersusAlltoallv(*groups, f);
     StepSplit(*groups, f);

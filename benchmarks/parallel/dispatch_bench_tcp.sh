@@ -9,6 +9,9 @@
 #   e.g. benchmarks/parallel/dispatch_bench_tcp.sh build --tokens=2048 --reps=5
 # With dispatch_bench's own defaults it takes about a minute; one compute
 # thread per rank unless MOEFIT_NUM_THREADS says otherwise.
+# LINK_RATE=1gbit (any tc rate) caps what each host sends (a token-bucket
+# filter on its link), as a real network's wire does: veth links otherwise
+# move bytes at memory speed, on the same cores that compute.
 set -u
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 source "$root/tests/parallel/netns/netns_lib.sh"
@@ -29,9 +32,16 @@ netns_setup "mfbench-$$" 2 || exit 1
 hosts=$(mktemp)
 trap 'rm -f "$hosts"; netns_teardown' EXIT
 netns_hostfile "$hosts" 1 || exit 1
+link=""
+if [ -n "${LINK_RATE:-}" ]; then
+  for ns in "${NETNS_HOSTS[@]}"; do
+    tc -n "$ns" qdisc add dev eth0 root tbf rate "$LINK_RATE" burst 256kb latency 100ms || exit 1
+  done
+  link=", each host sending at most $LINK_RATE"
+fi
 threads=${MOEFIT_NUM_THREADS:-1}
 
-echo "2 ranks on 2 simulated hosts (veth + bridge), Open MPI over TCP only ${flags[*]}"
+echo "2 ranks on 2 simulated hosts (veth + bridge), Open MPI over TCP only$link ${flags[*]}"
 before=$(netns_port_bytes 2)
 start=$(date +%s)
 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \

@@ -1,7 +1,8 @@
 // Expert-parallel training equals single-process training over the same
 // global batch, for qwen3_moe and for the sigmoid-routed families (deepseek_v3,
 // glm4_moe: sequence-wise balance loss, correction biases moved from global
-// counts), and on packed SFT samples (segment masks, restarting positions).
+// counts), on packed SFT samples (segment masks, restarting positions), and
+// with each MoE layer pipelined over token chunks (parallel.dispatch_chunks).
 // Runs under mpirun -np 2 and -np 4: every rank trains with its share of each
 // micro-batch and its share of the experts; rank 0 also trains
 // the same model alone (a one-rank communicator, W times the micro-batch) and
@@ -99,11 +100,12 @@ absl::StatusOr<TokenDataset> PackedCorpus(int64_t seq_len) {
 }
 
 Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> world, int ep_size,
-             const std::string& dispatcher, bool packed = false) {
+             const std::string& dispatcher, bool packed = false, int64_t chunks = 1) {
   auto groups = parallel::MakeProcessGroups(world, {.ep_size = ep_size});
   EXPECT_TRUE(groups.ok()) << groups.status();
   run.runtime.expert_group = groups->expert_parallel;
   run.runtime.dispatcher = dispatcher;
+  run.runtime.dispatch_chunks = chunks;
   auto data = packed ? PackedCorpus(run.seq_len)
                      : TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
   EXPECT_TRUE(data.ok()) << data.status();
@@ -137,6 +139,7 @@ struct EpCase {
   int ep_size;  // 0 = world
   std::string family = "qwen3_moe";
   bool packed = false;  // SFT samples packed with segments, else the byte stream
+  int64_t chunks = 1;   // parallel.dispatch_chunks of the multi-process run
 };
 
 class EpEqualsSingleProcess : public ::testing::TestWithParam<EpCase> {};
@@ -148,7 +151,8 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     GTEST_SKIP() << "ep_size " << c.ep_size << " does not fit " << world->size() << " ranks";
   }
   constexpr int64_t kMicro = 2;
-  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed);
+  Result multi =
+      Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed, c.chunks);
   if (world->rank() != 0) return;
   Result single = Train(SmallRun(kMicro * world->size(), c.family),
                         parallel::LocalCommunicator::Create(), 0, "alltoall", c.packed);
@@ -180,18 +184,19 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
               c.dispatcher.c_str(), c.ep_size, worst, worst_name.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(All, EpEqualsSingleProcess,
-                         ::testing::Values(EpCase{"alltoall", 0}, EpCase{"allgather", 0},
-                                           EpCase{"alltoall", 2},
-                                           EpCase{"alltoall", 0, "deepseek_v3"},
-                                           EpCase{"alltoall", 0, "glm4_moe"},
-                                           EpCase{"alltoall", 0, "qwen3_moe", true},
-                                           EpCase{"alltoall", 0, "deepseek_v3", true}),
-                         [](const auto& info) {
-                           return info.param.family + "_" + info.param.dispatcher + "_ep" +
-                                  std::to_string(info.param.ep_size) +
-                                  (info.param.packed ? "_packed" : "");
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    All, EpEqualsSingleProcess,
+    ::testing::Values(EpCase{"alltoall", 0}, EpCase{"allgather", 0}, EpCase{"alltoall", 2},
+                      EpCase{"alltoall", 0, "deepseek_v3"}, EpCase{"alltoall", 0, "glm4_moe"},
+                      EpCase{"alltoall", 0, "qwen3_moe", true},
+                      EpCase{"alltoall", 0, "deepseek_v3", true},
+                      EpCase{"alltoall", 0, "qwen3_moe", false, 3},
+                      EpCase{"alltoall", 0, "deepseek_v3", true, 2}),
+    [](const auto& info) {
+      return info.param.family + "_" + info.param.dispatcher + "_ep" +
+             std::to_string(info.param.ep_size) + (info.param.packed ? "_packed" : "") +
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
+    });
 
 // Dense gradients summed bucket by bucket during backward equal the sums
 // after backward: bitwise at 2 processes (each element's sum is one

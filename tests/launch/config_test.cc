@@ -294,6 +294,22 @@ TEST(Config, CollectiveDeadlines) {
             "parallel.startup_timeout_s = -5 must be a positive number of seconds");
 }
 
+TEST(Config, DispatchPipelineAndProgressThread) {
+  absl::StatusOr<RunConfig> defaults = Resolve("", {});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->runtime.dispatch_chunks, 1);
+  EXPECT_EQ(defaults->progress_thread_us, 0);
+  absl::StatusOr<RunConfig> set =
+      Resolve("", {"parallel.dispatch_chunks=3", "parallel.progress_thread_us=100"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->runtime.dispatch_chunks, 3);
+  EXPECT_EQ(set->progress_thread_us, 100);
+  EXPECT_EQ(ErrorOf("", {"parallel.dispatch_chunks=0"}),
+            "parallel.dispatch_chunks = 0 must be >= 1");
+  EXPECT_EQ(ErrorOf("", {"parallel.progress_thread_us=-1"}),
+            "parallel.progress_thread_us = -1 must be >= 0 (0: no progress thread)");
+}
+
 TEST(ConfigErrors, RouterSettings) {
   const std::vector<std::string> ds = {"model.model_type=deepseek_v3", "model.q_lora_rank=16",
                                        "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",

@@ -1,8 +1,9 @@
 // Dispatch and combine under random routing on 2 and 4 ranks: every row reaches
 // the owner of its expert and comes back weighted; a token travels once per
 // owner rank; alltoall and allgather agree on outputs and gradients, the
-// routing weights' included. Includes a rank that sends nothing (no tokens) and
-// an expert that receives nothing, with an expert count that does not divide.
+// routing weights' included; the pipelined run over token chunks equals one
+// chunk. Includes a rank that sends nothing (no tokens) and an expert that
+// receives nothing, with an expert count that does not divide.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
@@ -173,6 +174,61 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
       << "rank " << world->rank() << ": "
       << (weight_grads[0] - expected).abs().max().item<double>();
 }
+
+// Dispatcher::Run over 2, 3 and 16 chunks (more than some ranks' tokens, so
+// some chunks are empty) equals one chunk: outputs, gradients of the tokens,
+// of the routing weights and of a stand-in expert weight. The alltoall
+// dispatcher pipelines the chunks (several exchanges in flight at once, their
+// backward posted and received in the mirrored order); allgather runs them in
+// turn.
+class RunChunksTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(RunChunksTest, PipelinedChunksEqualOneChunk) {
+  auto world = testing::World();
+  const int64_t num_experts = 2 * world->size() + 1;
+  auto placement = router::ExpertPlacement::Contiguous(num_experts, world->size());
+  ASSERT_TRUE(placement.ok());
+  auto dispatcher = CreateDispatcher(GetParam(), world, *placement);
+  ASSERT_TRUE(dispatcher.ok());
+  Case c = MakeCase(world->rank(), num_experts);
+  at::Tensor upstream = at::randn({c.x.size(0), kHidden}, at::kDouble);
+  at::Tensor weight_init =
+      at::randn({kHidden, kHidden}, at::make_generator<at::CPUGeneratorImpl>(5), at::kDouble);
+  const int64_t first = placement->first_expert(world->rank());
+  const int64_t num_local = placement->num_local(world->rank());
+  struct Result {
+    at::Tensor out, x_grad, w_grad, weight_grad;
+  };
+  auto run = [&](int64_t chunks) {
+    at::Tensor x = c.x.clone().requires_grad_(true);
+    at::Tensor w = c.topk_weight.clone().requires_grad_(true);
+    at::Tensor weight = weight_init.clone().requires_grad_(true);
+    int64_t calls = 0;
+    at::Tensor back = (*dispatcher)->Run(x, c.topk_idx, w, chunks, [&](const DispatchedRows& d) {
+      ++calls;
+      ExpectCopiesInvertIndex(d);
+      return at::matmul(FakeExperts(d, first, num_local), weight);
+    });
+    EXPECT_EQ(calls, chunks);
+    (back * upstream).sum().backward();
+    return Result{back.detach(), x.grad(), w.grad(), weight.grad()};
+  };
+  const Result one = run(1);
+  ASSERT_EQ(one.out.sizes(), c.x.sizes());
+  for (int64_t chunks : {2, 3, 16}) {
+    const Result many = run(chunks);
+    const std::string what =
+        "rank " + std::to_string(world->rank()) + ", " + std::to_string(chunks) + " chunks";
+    ASSERT_EQ(many.out.sizes(), one.out.sizes()) << what;
+    EXPECT_TRUE(at::allclose(many.out, one.out, 1e-13, 1e-13)) << what;
+    EXPECT_TRUE(at::allclose(many.x_grad, one.x_grad, 1e-13, 1e-13)) << what;
+    EXPECT_TRUE(at::allclose(many.w_grad, one.w_grad, 1e-13, 1e-13)) << what;
+    // Summed over the chunks' rows in another order.
+    EXPECT_TRUE(at::allclose(many.weight_grad, one.weight_grad, 1e-12, 1e-12)) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dispatchers, RunChunksTest, ::testing::Values("alltoall", "allgather"));
 
 }  // namespace
 }  // namespace moefit::parallel

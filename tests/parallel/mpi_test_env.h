@@ -6,15 +6,23 @@
 // with the rank) and makes every rank exit non-zero if any rank failed.
 // Tests must not return early (ASSERT_*) between collectives on only some
 // ranks: the others would wait for them until the ctest timeout.
+//
+// Built with MOEFIT_TEST_PROGRESS_THREAD_US=N, the main starts MPI at
+// MPI_THREAD_MULTIPLE with an MPI progress thread polling every N us
+// (parallel/mpi_progress.h), so that the same tests run with one.
 #pragma once
 
 #include <memory>
 
 #include "parallel/mpi_communicator.h"
+#include "parallel/mpi_progress.h"
 
 namespace moefit::parallel::testing {
 
 // MPI_COMM_WORLD as an MpiCommunicator named "world", alive for the whole run.
 const std::shared_ptr<MpiCommunicator>& World();
+
+// The progress thread, or nullptr when built without one.
+MpiProgressThread* ProgressThread();
 
 }  // namespace moefit::parallel::testing

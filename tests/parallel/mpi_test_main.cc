@@ -4,7 +4,8 @@
 // gtest's printer, so N ranks do not interleave N copies of the same report;
 // other ranks print just their own failures, prefixed with the rank. The
 // failure flag is then reduced (max) over the world, so every rank, and thus
-// mpirun, exits non-zero when any rank failed.
+// mpirun, exits non-zero when any rank failed. With
+// MOEFIT_TEST_PROGRESS_THREAD_US an MPI progress thread runs throughout.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,11 @@ namespace {
 std::shared_ptr<MpiCommunicator>& WorldSlot() {
   static auto* world = new std::shared_ptr<MpiCommunicator>();
   return *world;
+}
+
+std::unique_ptr<MpiProgressThread>& ProgressSlot() {
+  static auto* thread = new std::unique_ptr<MpiProgressThread>();
+  return *thread;
 }
 
 // Failures of a rank other than 0, one line each, with the rank in front.
@@ -49,12 +55,19 @@ class RankFailurePrinter : public ::testing::EmptyTestEventListener {
 
 const std::shared_ptr<MpiCommunicator>& World() { return WorldSlot(); }
 
+MpiProgressThread* ProgressThread() { return ProgressSlot().get(); }
+
 }  // namespace moefit::parallel::testing
 
 int main(int argc, char** argv) {
   using moefit::parallel::MpiCommunicator;
   using moefit::parallel::MpiRuntime;
+#ifdef MOEFIT_TEST_PROGRESS_THREAD_US
+  absl::StatusOr<std::unique_ptr<MpiRuntime>> runtime =
+      MpiRuntime::Start(&argc, &argv, {.required_thread_level = MPI_THREAD_MULTIPLE});
+#else
   absl::StatusOr<std::unique_ptr<MpiRuntime>> runtime = MpiRuntime::Start(&argc, &argv);
+#endif
   if (!runtime.ok()) {
     std::fprintf(stderr, "cannot start MPI: %s\n", runtime.status().ToString().c_str());
     return 1;
@@ -63,6 +76,12 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::shared_ptr<MpiCommunicator>> world = MpiCommunicator::Create(MPI_COMM_WORLD);
   if (!world.ok()) moefit::parallel::AbortAll(1, world.status().ToString());
   moefit::parallel::testing::WorldSlot() = *world;
+#ifdef MOEFIT_TEST_PROGRESS_THREAD_US
+  auto progress = moefit::parallel::MpiProgressThread::Start(
+      absl::Microseconds(MOEFIT_TEST_PROGRESS_THREAD_US));
+  if (!progress.ok()) moefit::parallel::AbortAll(1, progress.status().ToString());
+  moefit::parallel::testing::ProgressSlot() = std::move(*progress);
+#endif
 
   const int rank = (*world)->rank();
   if (rank != 0) {
@@ -80,6 +99,7 @@ int main(int argc, char** argv) {
   const bool job_failed = any_failed.item<int64_t>() != 0;
   if (job_failed && rank == 0 && failed == 0)
     std::fprintf(stderr, "rank 0 passed, but another rank failed\n");
+  moefit::parallel::testing::ProgressSlot().reset();
   moefit::parallel::testing::WorldSlot().reset();
   runtime->reset();  // MPI_Finalize
   return job_failed ? 1 : 0;

@@ -4,6 +4,7 @@
 
 #include <numeric>
 
+#include "absl/types/span.h"
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
@@ -29,7 +30,6 @@ struct PostedDispatch {
   RowsInFlight rows, weights;
   at::Tensor local;  // [received, k] the local expert of each slot, -1: elsewhere
   std::shared_ptr<Work> local_work;
-  int64_t sent = 0;
 };
 
 class AllToAllDispatcher final : public Dispatcher {
@@ -45,7 +45,7 @@ class AllToAllDispatcher final : public Dispatcher {
                           const at::Tensor& topk_weight) override {
     ScopedPhase phase("dispatch");
     router::OwnerRoutes routes = remap_.RouteByOwner(topk_idx);
-    const std::vector<std::vector<int64_t>> recv = ExchangeCounts({&routes});
+    const std::vector<std::vector<int64_t>> recv = ExchangeCounts(absl::MakeConstSpan(&routes, 1));
     PostedDispatch posted = PostDispatch(x, topk_weight, routes, recv[0]);
     return FinishDispatch(posted);
   }
@@ -66,27 +66,17 @@ class AllToAllDispatcher final : public Dispatcher {
     if (num_chunks <= 1 || ep_->size() == 1) {
       return Dispatcher::Run(x, topk_idx, topk_weight, num_chunks, experts);
     }
-    // One split node per input: its backward concatenates the chunks'
-    // gradients in one pass (a narrow per chunk would add full-size zeros).
-    const std::vector<int64_t> sizes = ChunkSizes(x.size(0), num_chunks);
-    const std::vector<at::Tensor> xs = x.split_with_sizes(sizes);
-    const std::vector<at::Tensor> idx = topk_idx.split_with_sizes(sizes);
-    const std::vector<at::Tensor> ws = topk_weight.split_with_sizes(sizes);
+    const TokenChunks chunks = SplitTokens(x, topk_idx, topk_weight, num_chunks);
     std::vector<router::OwnerRoutes> routes;
-    std::vector<const router::OwnerRoutes*> route_ptrs;
-    routes.reserve(num_chunks);
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      routes.push_back(remap_.RouteByOwner(idx[c]));
-      route_ptrs.push_back(&routes.back());
-    }
+    for (const at::Tensor& idx : chunks.topk_idx) routes.push_back(remap_.RouteByOwner(idx));
     std::vector<std::vector<int64_t>> recv;
     {
       ScopedPhase phase("dispatch");
-      recv = ExchangeCounts(route_ptrs);
+      recv = ExchangeCounts(routes);
     }
     auto post = [&](int64_t c) {
       ScopedPhase phase("dispatch");
-      return PostDispatch(xs[c], ws[c], routes[c], recv[c]);
+      return PostDispatch(chunks.x[c], chunks.topk_weight[c], routes[c], recv[c]);
     };
     std::vector<PostedDispatch> posted(num_chunks);
     std::vector<RowsInFlight> back(num_chunks);
@@ -114,14 +104,13 @@ class AllToAllDispatcher final : public Dispatcher {
  private:
   // Rows per peer of each chunk's routes to every peer -> rows per peer each
   // chunk receives: one count exchange for them all.
-  std::vector<std::vector<int64_t>> ExchangeCounts(
-      const std::vector<const router::OwnerRoutes*>& routes) {
+  std::vector<std::vector<int64_t>> ExchangeCounts(absl::Span<const router::OwnerRoutes> routes) {
     const int world = ep_->size();
     const int64_t chunks = static_cast<int64_t>(routes.size());
     at::Tensor send_counts = at::empty({world, chunks}, at::kLong);
     int64_t* sp = send_counts.data_ptr<int64_t>();
     for (int q = 0; q < world; ++q) {
-      for (int64_t c = 0; c < chunks; ++c) sp[q * chunks + c] = routes[c]->per_owner[q];
+      for (int64_t c = 0; c < chunks; ++c) sp[q * chunks + c] = routes[c].per_owner[q];
     }
     at::Tensor recv_counts = at::empty_like(send_counts);
     ep_->AllToAllCounts(send_counts, recv_counts)->WaitOrThrow();
@@ -144,8 +133,7 @@ class AllToAllDispatcher final : public Dispatcher {
     route.send_pairs = routes.per_owner;
     route.recv_pairs = recv_pairs;
     // Token t's row to owner q is sent row pair_of[t, q].
-    p.sent = routes.tokens.numel();
-    route.home = internal::MakeRowRelation(routes.pair_of, p.sent);
+    route.home = internal::MakeRowRelation(routes.pair_of, routes.tokens.numel());
     p.rows = StartSendRows(*ep_, x, route.home, route.send_pairs, route.recv_pairs);
     p.weights = StartSendRows(*ep_, topk_weight, route.home, route.send_pairs, route.recv_pairs);
     const int64_t received = std::accumulate(recv_pairs.begin(), recv_pairs.end(), int64_t{0});
@@ -182,7 +170,7 @@ class AllToAllDispatcher final : public Dispatcher {
     out.row_index = internal::GroupOf(p.route->remote);
     out.row_copies = p.route->remote.members;
     out.counts = std::move(counts);
-    out.sent_rows = p.sent;
+    out.sent_rows = p.route->home.slot.size(0);
     out.route = std::move(p.route);
     return out;
   }

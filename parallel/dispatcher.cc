@@ -27,12 +27,13 @@ const std::vector<Entry>& Entries() {
 
 }  // namespace
 
-std::vector<int64_t> ChunkSizes(int64_t num_tokens, int64_t num_chunks) {
+TokenChunks SplitTokens(const at::Tensor& x, const at::Tensor& topk_idx,
+                        const at::Tensor& topk_weight, int64_t num_chunks) {
+  const int64_t n = x.size(0);
   std::vector<int64_t> sizes(num_chunks);
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    sizes[c] = num_tokens * (c + 1) / num_chunks - num_tokens * c / num_chunks;
-  }
-  return sizes;
+  for (int64_t c = 0; c < num_chunks; ++c) sizes[c] = n * (c + 1) / num_chunks - n * c / num_chunks;
+  return {x.split_with_sizes(sizes), topk_idx.split_with_sizes(sizes),
+          topk_weight.split_with_sizes(sizes)};
 }
 
 at::Tensor Dispatcher::Run(const at::Tensor& x, const at::Tensor& topk_idx,
@@ -43,13 +44,10 @@ at::Tensor Dispatcher::Run(const at::Tensor& x, const at::Tensor& topk_idx,
     DispatchedRows d = Dispatch(x, topk_idx, topk_weight);
     return Combine(experts(d), *d.route);
   }
-  const std::vector<int64_t> sizes = ChunkSizes(x.size(0), num_chunks);
-  const std::vector<at::Tensor> xs = x.split_with_sizes(sizes);
-  const std::vector<at::Tensor> idx = topk_idx.split_with_sizes(sizes);
-  const std::vector<at::Tensor> ws = topk_weight.split_with_sizes(sizes);
+  const TokenChunks chunks = SplitTokens(x, topk_idx, topk_weight, num_chunks);
   std::vector<at::Tensor> out;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    DispatchedRows d = Dispatch(xs[c], idx[c], ws[c]);
+    DispatchedRows d = Dispatch(chunks.x[c], chunks.topk_idx[c], chunks.topk_weight[c]);
     out.push_back(Combine(experts(d), *d.route));
   }
   return at::cat(out);

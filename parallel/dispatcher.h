@@ -95,9 +95,15 @@ class Dispatcher {
                          const ExpertCompute& experts);
 };
 
-// The sizes of `num_chunks` consecutive ranges that split `num_tokens` tokens
-// about evenly (the later ones longer by one where it does not divide).
-std::vector<int64_t> ChunkSizes(int64_t num_tokens, int64_t num_chunks);
+// A layer's tokens in `num_chunks` consecutive ranges of about equal size
+// (the later ones longer by one where it does not divide), as Run splits
+// them: one split node per input, whose backward concatenates the chunks'
+// gradients in one pass.
+struct TokenChunks {
+  std::vector<at::Tensor> x, topk_idx, topk_weight;
+};
+TokenChunks SplitTokens(const at::Tensor& x, const at::Tensor& topk_idx,
+                        const at::Tensor& topk_weight, int64_t num_chunks);
 
 // Names of the dispatchers, in registration order.
 std::vector<std::string> DispatcherNames();

@@ -40,6 +40,34 @@ Case MakeCase(int rank, int64_t num_experts) {
   return c;
 }
 
+// What every case starts from: 2 x ranks + 1 experts (a count that does not
+// divide) placed contiguously over the world, this rank's tokens, and the
+// experts it owns.
+struct DispatchSetup {
+  std::shared_ptr<MpiCommunicator> world;
+  router::ExpertPlacement placement;
+  Case c;
+  int64_t first_expert = 0, num_local = 0;
+
+  std::unique_ptr<Dispatcher> Create(const std::string& name) const {
+    absl::StatusOr<std::unique_ptr<Dispatcher>> d = CreateDispatcher(name, world, placement);
+    TORCH_CHECK(d.ok(), d.status().ToString());
+    return *std::move(d);
+  }
+};
+
+DispatchSetup MakeSetup() {
+  auto world = testing::World();
+  const int64_t num_experts = 2 * world->size() + 1;
+  absl::StatusOr<router::ExpertPlacement> placement =
+      router::ExpertPlacement::Contiguous(num_experts, world->size());
+  TORCH_CHECK(placement.ok(), placement.status().ToString());
+  DispatchSetup s{world, *placement, MakeCase(world->rank(), num_experts)};
+  s.first_expert = placement->first_expert(world->rank());
+  s.num_local = placement->num_local(world->rank());
+  return s;
+}
+
 // "Expert e" multiplies its rows (read by index from the received ones) by
 // (e + 1): the result tells which expert a row visited.
 at::Tensor FakeExperts(const DispatchedRows& d, int64_t first_expert, int64_t num_local) {
@@ -75,20 +103,18 @@ void ExpectCopiesInvertIndex(const DispatchedRows& d) {
 class DispatchTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
-  auto world = testing::World();
-  const int64_t num_experts = 2 * world->size() + 1;
-  auto placement = router::ExpertPlacement::Contiguous(num_experts, world->size());
-  ASSERT_TRUE(placement.ok());
-  auto dispatcher = CreateDispatcher(GetParam(), world, *placement);
-  ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
-  Case c = MakeCase(world->rank(), num_experts);
+  const DispatchSetup s = MakeSetup();
+  const auto& world = s.world;
+  const Case& c = s.c;
+  const int64_t num_experts = s.placement.num_experts();
+  const std::unique_ptr<Dispatcher> dispatcher = s.Create(GetParam());
 
-  DispatchedRows d = (*dispatcher)->Dispatch(c.x, c.topk_idx, c.topk_weight);
+  DispatchedRows d = dispatcher->Dispatch(c.x, c.topk_idx, c.topk_weight);
   // Rows per local expert = global assignments to that expert.
   at::Tensor global_counts = at::bincount(c.topk_idx.reshape({-1}), {}, num_experts);
   world->AllReduce(global_counts, ReduceOp::kSum)->WaitOrThrow();
-  const int64_t first = placement->first_expert(world->rank());
-  const int64_t num_local = placement->num_local(world->rank());
+  const int64_t first = s.first_expert;
+  const int64_t num_local = s.num_local;
   ASSERT_EQ(static_cast<int64_t>(d.counts.size()), num_local);
   ExpectCopiesInvertIndex(d);
   for (int64_t e = 0; e < num_local; ++e) {
@@ -100,7 +126,7 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   if (GetParam() == "alltoall") {  // one row per (token, owner rank) pair
     at::Tensor owner = at::empty_like(c.topk_idx);
     for (int64_t i = 0; i < c.topk_idx.numel(); ++i) {
-      owner.view({-1})[i] = placement->owner(c.topk_idx.view({-1})[i].item<int64_t>());
+      owner.view({-1})[i] = s.placement.owner(c.topk_idx.view({-1})[i].item<int64_t>());
     }
     int64_t pairs = 0;
     for (int64_t t = 0; t < c.x.size(0); ++t) pairs += std::get<0>(at::_unique(owner[t])).numel();
@@ -127,7 +153,7 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
     EXPECT_EQ(d.rows.size(0), mine.any(1).sum().item<int64_t>()) << "rank " << world->rank();
   }
 
-  at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, first, num_local), *d.route);
+  at::Tensor back = dispatcher->Combine(FakeExperts(d, first, num_local), *d.route);
   ASSERT_EQ(back.sizes(), c.x.sizes());
   at::Tensor scale = (c.topk_weight * (c.topk_idx.to(at::kDouble) + 1)).sum(1, /*keepdim=*/true);
   EXPECT_TRUE(at::allclose(back, c.x * scale, 1e-13, 1e-13)) << "rank " << world->rank();
@@ -136,27 +162,21 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
 INSTANTIATE_TEST_SUITE_P(Dispatchers, DispatchTest, ::testing::Values("alltoall", "allgather"));
 
 TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
-  auto world = testing::World();
-  const int64_t num_experts = 2 * world->size() + 1;
-  auto placement = router::ExpertPlacement::Contiguous(num_experts, world->size());
-  ASSERT_TRUE(placement.ok());
-  Case c = MakeCase(world->rank(), num_experts);
+  const DispatchSetup s = MakeSetup();
+  const Case& c = s.c;
   at::Tensor upstream = at::randn({c.x.size(0), kHidden}, at::kDouble);
   // The same stand-in expert weight on every rank.
   at::Tensor weight =
       at::randn({kHidden, kHidden}, at::make_generator<at::CPUGeneratorImpl>(5), at::kDouble);
   std::vector<at::Tensor> outs, grads, weight_grads;
   for (const char* name : {"alltoall", "allgather"}) {
-    auto dispatcher = CreateDispatcher(name, world, *placement);
-    ASSERT_TRUE(dispatcher.ok());
+    const std::unique_ptr<Dispatcher> dispatcher = s.Create(name);
     at::Tensor x = c.x.clone().requires_grad_(true);
     at::Tensor w = c.topk_weight.clone().requires_grad_(true);
-    DispatchedRows d = (*dispatcher)->Dispatch(x, c.topk_idx, w);
+    DispatchedRows d = dispatcher->Dispatch(x, c.topk_idx, w);
     // A differentiable stand-in for the experts: rows · W, scaled per expert.
-    at::Tensor y = at::matmul(FakeExperts(d, placement->first_expert(world->rank()),
-                                          placement->num_local(world->rank())),
-                              weight);
-    at::Tensor back = (*dispatcher)->Combine(y, *d.route);
+    at::Tensor y = at::matmul(FakeExperts(d, s.first_expert, s.num_local), weight);
+    at::Tensor back = dispatcher->Combine(y, *d.route);
     (back * upstream).sum().backward();
     outs.push_back(back.detach());
     grads.push_back(x.grad());
@@ -171,7 +191,7 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
       at::matmul(c.x, weight).unsqueeze(1) * (c.topk_idx.to(at::kDouble) + 1).unsqueeze(2);
   at::Tensor expected = (expert_out * upstream.unsqueeze(1)).sum(2);
   EXPECT_TRUE(at::allclose(weight_grads[0], expected, 1e-12, 1e-12))
-      << "rank " << world->rank() << ": "
+      << "rank " << s.world->rank() << ": "
       << (weight_grads[0] - expected).abs().max().item<double>();
 }
 
@@ -184,18 +204,12 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
 class RunChunksTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(RunChunksTest, PipelinedChunksEqualOneChunk) {
-  auto world = testing::World();
-  const int64_t num_experts = 2 * world->size() + 1;
-  auto placement = router::ExpertPlacement::Contiguous(num_experts, world->size());
-  ASSERT_TRUE(placement.ok());
-  auto dispatcher = CreateDispatcher(GetParam(), world, *placement);
-  ASSERT_TRUE(dispatcher.ok());
-  Case c = MakeCase(world->rank(), num_experts);
+  const DispatchSetup s = MakeSetup();
+  const Case& c = s.c;
+  const std::unique_ptr<Dispatcher> dispatcher = s.Create(GetParam());
   at::Tensor upstream = at::randn({c.x.size(0), kHidden}, at::kDouble);
   at::Tensor weight_init =
       at::randn({kHidden, kHidden}, at::make_generator<at::CPUGeneratorImpl>(5), at::kDouble);
-  const int64_t first = placement->first_expert(world->rank());
-  const int64_t num_local = placement->num_local(world->rank());
   struct Result {
     at::Tensor out, x_grad, w_grad, weight_grad;
   };
@@ -204,10 +218,10 @@ TEST_P(RunChunksTest, PipelinedChunksEqualOneChunk) {
     at::Tensor w = c.topk_weight.clone().requires_grad_(true);
     at::Tensor weight = weight_init.clone().requires_grad_(true);
     int64_t calls = 0;
-    at::Tensor back = (*dispatcher)->Run(x, c.topk_idx, w, chunks, [&](const DispatchedRows& d) {
+    at::Tensor back = dispatcher->Run(x, c.topk_idx, w, chunks, [&](const DispatchedRows& d) {
       ++calls;
       ExpectCopiesInvertIndex(d);
-      return at::matmul(FakeExperts(d, first, num_local), weight);
+      return at::matmul(FakeExperts(d, s.first_expert, s.num_local), weight);
     });
     EXPECT_EQ(calls, chunks);
     (back * upstream).sum().backward();
@@ -218,7 +232,7 @@ TEST_P(RunChunksTest, PipelinedChunksEqualOneChunk) {
   for (int64_t chunks : {2, 3, 16}) {
     const Result many = run(chunks);
     const std::string what =
-        "rank " + std::to_string(world->rank()) + ", " + std::to_string(chunks) + " chunks";
+        "rank " + std::to_string(s.world->rank()) + ", " + std::to_string(chunks) + " chunks";
     ASSERT_EQ(many.out.sizes(), one.out.sizes()) << what;
     EXPECT_TRUE(at::allclose(many.out, one.out, 1e-13, 1e-13)) << what;
     EXPECT_TRUE(at::allclose(many.x_grad, one.x_grad, 1e-13, 1e-13)) << what;

@@ -17,9 +17,7 @@ inline __m256i LoadBf16(const void* data, int64_t idx, float s) {
     return _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + idx));
   } else {
-    VecF x = LoadF<T>(data, idx);
-    if constexpr (T == ElemType::kF8E4M3) x = MulS(x, s);
-    return (__m256i)_mm512_cvtneps_pbh(x);
+    return (__m256i)_mm512_cvtneps_pbh(LoadScaledF<T>(data, idx, s));
   }
 }
 

@@ -26,11 +26,19 @@
 namespace moefit::experts::kernels::internal {
 namespace {
 
+// e4m3 -> binary16, exact, subnormals included: the byte, sign-extended to 16
+// bits and shifted left by 7, has e4m3's exponent and mantissa where
+// binary16 keeps its own and the sign in bit 15; the mask clears the sign's
+// other copies. Binary16's exponent bias is 8 more than e4m3's, so the value
+// is the binary16's times 2^8. A byte whose seven low bits are all set (NaN)
+// is, shifted left by 9, kF8NanHigh.
+constexpr int16_t kF8ToHalfBits = static_cast<int16_t>(0xbf80);
+constexpr int16_t kF8NanHigh = static_cast<int16_t>(0xfe00);
+
 #if MOEFIT_PACK_WIDTH == 8
 using VecF = __m256;
 constexpr int kVl = 8;
 
-inline VecF MulS(VecF v, float s) { return _mm256_mul_ps(v, _mm256_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm256_storeu_ps(p, v); }
 inline VecF ZeroF() { return _mm256_setzero_ps(); }
 // Each lane rounded to bfloat16 (nearest even, as F32ToBf16) and widened
@@ -51,6 +59,17 @@ inline float SumF(VecF v) {
   return _mm_cvtss_f32(x);
 }
 
+// kVl e4m3 bytes starting at element `idx` of `data`, as float32 times
+// `factor` (one rounding; see kF8ToHalfBits).
+inline VecF LoadF8(const void* data, int64_t idx, float factor) {
+  const __m128i w = _mm_cvtepi8_epi16(
+      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx)));
+  const __m128i h = _mm_and_si128(_mm_slli_epi16(w, 7), _mm_set1_epi16(kF8ToHalfBits));
+  const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(factor * 256.0f));
+  const __m128i nan = _mm_cmpeq_epi16(_mm_slli_epi16(w, 9), _mm_set1_epi16(kF8NanHigh));
+  return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));  // all ones: NaN
+}
+
 // kVl elements of type T starting at element `idx` of `data`, as float32.
 template <ElemType T>
 inline VecF LoadF(const void* data, int64_t idx) {
@@ -61,18 +80,7 @@ inline VecF LoadF(const void* data, int64_t idx) {
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(data) + idx));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else {
-    // e4m3 -> the binary16 with the same bits shifted into place (exact,
-    // subnormals included), then to float32 and times 2^8 for the bias.
-    const __m128i b =
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx));
-    const __m128i w = _mm_cvtepu8_epi16(b);
-    const __m128i mag = _mm_and_si128(w, _mm_set1_epi16(0x7f));
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(w, _mm_set1_epi16(0x80)), 8),
-                                   _mm_slli_epi16(mag, 7));
-    const __m256 f = _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
-    const __m256 nan_mask =
-        _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f))));
-    return _mm256_blendv_ps(f, _mm256_set1_ps(BitsToF32(0x7fc00000u)), nan_mask);
+    return LoadF8(data, idx, 1.0f);
   }
 }
 
@@ -99,7 +107,6 @@ inline void Transpose(VecF r[kVl]) {
 using VecF = __m512;
 constexpr int kVl = 16;
 
-inline VecF MulS(VecF v, float s) { return _mm512_mul_ps(v, _mm512_set1_ps(s)); }
 inline void StoreF(float* p, VecF v) { _mm512_storeu_ps(p, v); }
 inline VecF ZeroF() { return _mm512_setzero_ps(); }
 // Each lane rounded to bfloat16 (nearest even, as F32ToBf16) and widened
@@ -115,6 +122,16 @@ inline VecF FmaF(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline VecF LoadPlainF(const float* p) { return _mm512_loadu_ps(p); }
 inline float SumF(VecF v) { return _mm512_reduce_add_ps(v); }
 
+inline VecF LoadF8(const void* data, int64_t idx, float factor) {
+  const __m256i w = _mm256_cvtepi8_epi16(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(w, 7), _mm256_set1_epi16(kF8ToHalfBits));
+  const __mmask16 number =
+      _mm256_cmpneq_epi16_mask(_mm256_slli_epi16(w, 9), _mm256_set1_epi16(kF8NanHigh));
+  return _mm512_mask_mul_ps(_mm512_set1_ps(BitsToF32(0x7fc00000u)), number, _mm512_cvtph_ps(h),
+                            _mm512_set1_ps(factor * 256.0f));
+}
+
 template <ElemType T>
 inline VecF LoadF(const void* data, int64_t idx) {
   if constexpr (T == ElemType::kF32) {
@@ -124,16 +141,7 @@ inline VecF LoadF(const void* data, int64_t idx) {
         reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(data) + idx));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   } else {
-    const __m128i b =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(data) + idx));
-    const __m256i w = _mm256_cvtepu8_epi16(b);
-    const __m256i mag = _mm256_and_si256(w, _mm256_set1_epi16(0x7f));
-    const __m256i h =
-        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                        _mm256_slli_epi16(mag, 7));
-    const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
-    const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7f));
-    return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(BitsToF32(0x7fc00000u)));
+    return LoadF8(data, idx, 1.0f);
   }
 }
 
@@ -183,6 +191,17 @@ inline void Transpose(VecF r[kVl]) {
 }
 #endif
 
+// kVl elements of type T at `idx` as float32, times `s` for FP8 (its block
+// scale), with one rounding.
+template <ElemType T>
+inline VecF LoadScaledF(const void* data, int64_t idx, float s) {
+  if constexpr (T == ElemType::kF8E4M3) {
+    return LoadF8(data, idx, s);
+  } else {
+    return LoadF<T>(data, idx);
+  }
+}
+
 // Float32 B panels of kNr columns (see packed_kernels.h), vectorised for the
 // two layouts above.
 template <int kNr>
@@ -203,11 +222,8 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
         for (int64_t k = 0; k < k_size; ++k) {
           const int64_t base = (k0 + k) * b.row_stride + col0;
           const float s = Scale<T>(b, k0 + k, col0);
-          for (int v = 0; v < kNr; v += kVl) {
-            VecF x = LoadF<T>(b.data, base + v);
-            if constexpr (T == ElemType::kF8E4M3) x = MulS(x, s);
-            StoreF(o + k * kNr + v, x);
-          }
+          for (int v = 0; v < kNr; v += kVl)
+            StoreF(o + k * kNr + v, LoadScaledF<T>(b.data, base + v, s));
         }
         continue;
       }
@@ -217,16 +233,13 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
       int64_t k = 0;
       for (; k + kVl <= k_size; k += kVl) {
         for (int v = 0; v < kNr; v += kVl) {
+          const float s = Scale<T>(b, k0 + k, col0 + v);
           VecF r[kVl];
           for (int j = 0; j < kVl; ++j) {
-            r[j] = LoadF<T>(b.data, (col0 + v + j) * b.col_stride + k0 + k);
+            r[j] = LoadScaledF<T>(b.data, (col0 + v + j) * b.col_stride + k0 + k, s);
           }
           Transpose(r);
-          const float s = Scale<T>(b, k0 + k, col0 + v);
-          for (int t = 0; t < kVl; ++t) {
-            if constexpr (T == ElemType::kF8E4M3) r[t] = MulS(r[t], s);
-            StoreF(o + (k + t) * kNr + v, r[t]);
-          }
+          for (int t = 0; t < kVl; ++t) StoreF(o + (k + t) * kNr + v, r[t]);
         }
       }
       if (k < k_size) PackBGeneric<kNr, false>(b, k0 + k, k_size - k, col0, kNr, o + k * kNr);
@@ -327,7 +340,7 @@ inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
   if constexpr (T != ElemType::kF8E4M3) {
     return LoadF<T>(b.data, idx);
   } else {
-    VecF w = MulS(LoadF<T>(b.data, idx), Scale<T>(b, k, j));
+    VecF w = LoadF8(b.data, idx, Scale<T>(b, k, j));
     if constexpr (kRoundFp8) w = RoundBf16F(w);
     return w;
   }

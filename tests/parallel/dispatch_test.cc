@@ -8,6 +8,8 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "parallel/dispatcher.h"
 #include "tests/parallel/mpi_test_env.h"
 
@@ -115,12 +117,15 @@ TEST_P(DispatchTest, RowsReachTheirExpertsAndComeBack) {
   world->AllReduce(global_counts, ReduceOp::kSum)->WaitOrThrow();
   const int64_t first = s.first_expert;
   const int64_t num_local = s.num_local;
-  ASSERT_EQ(static_cast<int64_t>(d.counts.size()), num_local);
+  // EXPECT, not ASSERT, here and below until the last collective: a rank that
+  // returned early would leave the others waiting (mpi_test_env.h).
+  const int64_t counted = static_cast<int64_t>(d.counts.size());
+  EXPECT_EQ(counted, num_local);
   ExpectCopiesInvertIndex(d);
-  for (int64_t e = 0; e < num_local; ++e) {
+  for (int64_t e = 0; e < std::min(counted, num_local); ++e) {
     EXPECT_EQ(d.counts[e], global_counts[first + e].item<int64_t>()) << "local expert " << e;
   }
-  if (world->rank() == 0) {
+  if (world->rank() == 0 && counted > 0) {
     EXPECT_EQ(d.counts[0], 0);  // expert 0 receives nothing
   }
   if (GetParam() == "alltoall") {  // one row per (token, owner rank) pair
@@ -227,13 +232,15 @@ TEST_P(RunChunksTest, PipelinedChunksEqualOneChunk) {
     (back * upstream).sum().backward();
     return Result{back.detach(), x.grad(), w.grad(), weight.grad()};
   };
+  // Every rank runs every chunk count, whatever it finds (mpi_test_env.h).
   const Result one = run(1);
-  ASSERT_EQ(one.out.sizes(), c.x.sizes());
+  EXPECT_EQ(one.out.sizes(), c.x.sizes());
   for (int64_t chunks : {2, 3, 16}) {
     const Result many = run(chunks);
     const std::string what =
         "rank " + std::to_string(s.world->rank()) + ", " + std::to_string(chunks) + " chunks";
-    ASSERT_EQ(many.out.sizes(), one.out.sizes()) << what;
+    EXPECT_EQ(many.out.sizes(), one.out.sizes()) << what;
+    if (many.out.sizes() != one.out.sizes()) continue;
     EXPECT_TRUE(at::allclose(many.out, one.out, 1e-13, 1e-13)) << what;
     EXPECT_TRUE(at::allclose(many.x_grad, one.x_grad, 1e-13, 1e-13)) << what;
     EXPECT_TRUE(at::allclose(many.w_grad, one.w_grad, 1e-13, 1e-13)) << what;

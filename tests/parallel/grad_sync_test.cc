@@ -88,8 +88,10 @@ void ExpectEqualSums(c10::Device device) {
       const std::vector<at::Tensor> got = Grads(p);
       for (int i = 0; i < kNumParams; ++i) {
         SCOPED_TRACE(::testing::Message() << "parameter " << i << ", step " << step);
-        ASSERT_EQ(got[i].defined(), expected[i].defined());
-        if (got[i].defined()) {
+        // EXPECT, not ASSERT: the next step's buckets are collectives, and a
+        // rank that returned early would leave the others waiting.
+        EXPECT_EQ(got[i].defined(), expected[i].defined());
+        if (got[i].defined() && expected[i].defined()) {
           EXPECT_TRUE(at::equal(got[i], expected[i]));
         }
       }

@@ -9,7 +9,13 @@
 //     the experts read, the weighted sum per token of its experts' outputs
 //     before sending back and the sum over ranks at home. The experts' output
 //     ([rows x experts visited, hidden], what combine reads) is made once,
-//     before the timing: the expert layer writes it.
+//     before the timing: the expert layer writes it. Dispatch and combine are
+//     also timed alone, and the same tokens go through a one-process
+//     dispatcher (every expert local, nothing exchanged): it makes the same
+//     routing-weighted sum of each token's top-k outputs, which every MoE
+//     layer makes with or without expert parallelism and which, reading every
+//     expert output row once, is most of combine's time. The last ratio sets
+//     the bare exchange against what expert parallelism adds to that.
 //  2. One training step of a small MoE model split into dense compute, expert
 //     compute and communication (time blocked in collectives), averaged over
 //     steps after a warm-up; with each MoE layer in 1 chunk (no pipelining),
@@ -26,6 +32,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -41,6 +48,7 @@
 #include "launch/config.h"
 #include "launch/corpus.h"
 #include "parallel/dispatcher.h"
+#include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_progress.h"
 #include "parallel/mpi_runtime.h"
@@ -159,6 +167,22 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
   const double ours_system = time_it(dispatch_combine);
   framework::UseCachingHostAllocator(true);
   const double ours = time_it(dispatch_combine);
+  parallel::DispatchedRows held;
+  const double dispatch_only = time_it([&] { held = (*dispatcher)->Dispatch(x, idx, weight); });
+  const double combine_only = time_it([&] { (*dispatcher)->Combine(expert_out, *held.route); });
+  // The same tokens through one process's dispatcher (every expert local):
+  // the same number of expert rows, and the same routing-weighted sum of each
+  // token's top-k outputs, which every MoE layer makes with or without
+  // expert parallelism; nothing crosses to another process.
+  auto one_placement = router::ExpertPlacement::Contiguous(f.experts, 1);
+  auto one_process =
+      parallel::CreateDispatcher("alltoall", parallel::LocalCommunicator::Create(), *one_placement);
+  at::Tensor one_out;
+  const double local = time_it([&] {
+    parallel::DispatchedRows d = (*one_process)->Dispatch(x, idx, weight);
+    if (!one_out.defined()) one_out = d.rows.index_select(0, d.row_index);
+    at::Tensor back = (*one_process)->Combine(one_out, *d.route);
+  });
   if (sent_rows != same_bytes.send_rows) {
     parallel::AbortAll(1, "the dispatcher sent " + std::to_string(sent_rows) + " rows, expected " +
                               std::to_string(same_bytes.send_rows));
@@ -180,11 +204,16 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
                 ours_system * 1e3, gb(sent_rows));
     std::printf("  %-44s %9.2f ms %8.3f GB\n", "alltoall dispatch+combine (moefit)", ours * 1e3,
                 gb(sent_rows));
+    std::printf("  %-44s %9.2f ms\n", "  dispatch alone", dispatch_only * 1e3);
+    std::printf("  %-44s %9.2f ms\n", "  combine alone", combine_only * 1e3);
+    std::printf("  %-44s %9.2f ms\n", "one process, same tokens, nothing exchanged", local * 1e3);
     std::printf(
         "  bytes saved by deduplication: %.1f%% (%.3f GB per rank per layer round trip)\n",
         100.0 * (1.0 - static_cast<double>(same_bytes.send_rows) / undeduplicated.send_rows),
         gb(undeduplicated.send_rows) - gb(same_bytes.send_rows));
     std::printf("  throughput ratio vs bare of the same bytes: %.2f\n", bare_pairs / ours);
+    std::printf("  the same, less the one-process time (what going expert-parallel adds): %.2f\n",
+                bare_pairs / std::max(ours - local, 1e-9));
     std::printf("  time ratio vs bare without deduplication:   %.2f\n\n", bare_slots / ours);
   }
 }

@@ -45,6 +45,7 @@ class AllToAllDispatcher final : public Dispatcher {
                           const at::Tensor& topk_weight) override {
     ScopedPhase phase("dispatch");
     router::OwnerRoutes routes = remap_.RouteByOwner(topk_idx);
+    if (ep_->size() == 1) return DispatchInPlace(x, topk_weight, routes);
     const std::vector<std::vector<int64_t>> recv = ExchangeCounts(absl::MakeConstSpan(&routes, 1));
     PostedDispatch posted = PostDispatch(x, topk_weight, routes, recv[0]);
     return FinishDispatch(posted);
@@ -52,7 +53,10 @@ class AllToAllDispatcher final : public Dispatcher {
 
   at::Tensor Combine(const at::Tensor& y, const Route& r) override {
     ScopedPhase phase("combine");
-    return FinishRows(PostCombine(y, static_cast<const AllToAllRoute&>(r)));
+    const auto& route = static_cast<const AllToAllRoute&>(r);
+    // One rank: the weighted sums are already the tokens' rows, in order.
+    if (ep_->size() == 1) return internal::Collect(y, route.remote, route.weights);
+    return FinishRows(PostCombine(y, route));
   }
 
   // The pipeline: with P(c) posting chunk c's dispatch, F(c) receiving it,
@@ -146,32 +150,49 @@ class AllToAllDispatcher final : public Dispatcher {
     at::Tensor rows = FinishRows(p.rows);
     p.route->weights = FinishRows(p.weights);
     p.local_work->WaitOrThrow();
+    return ExpertRows(std::move(rows), p.local, std::move(p.route));
+  }
 
-    // A computation row per (received row, local expert it visits), grouped
-    // by expert (a counting sort: arrival order within an expert); the
-    // experts read the received row by index.
-    const int64_t* lp = p.local.data_ptr<int64_t>();
+  // With one rank every token's row goes to itself, as the pair of the same
+  // index (RouteByOwner), so nothing is copied: the experts read x's rows
+  // where they lie, and Combine's weighted sums are the output.
+  DispatchedRows DispatchInPlace(const at::Tensor& x, const at::Tensor& topk_weight,
+                                 const router::OwnerRoutes& routes) {
+    auto route = std::make_unique<AllToAllRoute>();
+    route->send_pairs = route->recv_pairs = routes.per_owner;
+    route->home = internal::MakeRowRelation(routes.pair_of, routes.tokens.numel());
+    route->weights = topk_weight;
+    return ExpertRows(x.contiguous(), routes.local_expert, std::move(route));
+  }
+
+  // The received `rows` with `local`, the local expert of each of their slots
+  // (-1: elsewhere), as the experts' input: a computation row per (received
+  // row, local expert it visits), grouped by expert (a counting sort: arrival
+  // order within an expert); the experts read the received row by index.
+  DispatchedRows ExpertRows(at::Tensor rows, const at::Tensor& local,
+                            std::unique_ptr<AllToAllRoute> route) {
+    const int64_t* lp = local.data_ptr<int64_t>();
     std::vector<int64_t> counts(num_local_, 0);
-    for (int64_t i = 0; i < p.local.numel(); ++i) {
+    for (int64_t i = 0; i < local.numel(); ++i) {
       if (lp[i] >= 0) ++counts[lp[i]];
     }
     std::vector<int64_t> next(num_local_, 0);
     for (int64_t e = 1; e < num_local_; ++e) next[e] = next[e - 1] + counts[e - 1];
     const int64_t copies = num_local_ == 0 ? 0 : next.back() + counts.back();
-    at::Tensor position = at::full_like(p.local, -1);
+    at::Tensor position = at::full_like(local, -1);
     int64_t* pp = position.data_ptr<int64_t>();
-    for (int64_t i = 0; i < p.local.numel(); ++i) {
+    for (int64_t i = 0; i < local.numel(); ++i) {
       if (lp[i] >= 0) pp[i] = next[lp[i]]++;
     }
-    p.route->remote = internal::MakeRowRelation(position, copies);
+    route->remote = internal::MakeRowRelation(position, copies);
 
     DispatchedRows out;
-    out.rows = rows;
-    out.row_index = internal::GroupOf(p.route->remote);
-    out.row_copies = p.route->remote.members;
+    out.rows = std::move(rows);
+    out.row_index = internal::GroupOf(route->remote);
+    out.row_copies = route->remote.members;
     out.counts = std::move(counts);
-    out.sent_rows = p.route->home.slot.size(0);
-    out.route = std::move(p.route);
+    out.sent_rows = route->home.slot.size(0);
+    out.route = std::move(route);
     return out;
   }
 

@@ -43,8 +43,8 @@ Case MakeCase(int rank, int64_t num_experts) {
 }
 
 // What every case starts from: 2 x ranks + 1 experts (a count that does not
-// divide) placed contiguously over the world, this rank's tokens, and the
-// experts it owns.
+// divide; at least k + 1, so that experts 1..E-1 hold a token's k) placed
+// contiguously over the world, this rank's tokens, and the experts it owns.
 struct DispatchSetup {
   std::shared_ptr<MpiCommunicator> world;
   router::ExpertPlacement placement;
@@ -60,7 +60,7 @@ struct DispatchSetup {
 
 DispatchSetup MakeSetup() {
   auto world = testing::World();
-  const int64_t num_experts = 2 * world->size() + 1;
+  const int64_t num_experts = std::max<int64_t>(2 * world->size() + 1, kTopK + 1);
   absl::StatusOr<router::ExpertPlacement> placement =
       router::ExpertPlacement::Contiguous(num_experts, world->size());
   TORCH_CHECK(placement.ok(), placement.status().ToString());

@@ -109,6 +109,23 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
   return out;
 }
 
+// Sum over i < n of a[i] * b[i] in A, in 16 interleaved partial sums (which
+// the compiler turns into vector lanes; a single running sum it must keep
+// scalar, in order).
+template <typename S, typename A>
+A DotRow(const S* a, const A* b, int64_t n) {
+  constexpr int kLanes = 16;
+  A part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) part[l] += static_cast<A>(a[i + l]) * b[i + l];
+  }
+  for (int l = 0; i < n; ++i, ++l) part[l] += static_cast<A>(a[i]) * b[i];
+  A sum = 0;
+  for (A v : part) sum += v;
+  return sum;
+}
+
 // dweight[p, j] = src[members[p, j]] . grad[p] (0 where there is no member).
 at::Tensor WeightGrad(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& grad_in) {
   const at::Tensor src = src_in.contiguous();
@@ -127,10 +144,7 @@ at::Tensor WeightGrad(const at::Tensor& src_in, const RowRelation& rel, const at
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
-          A dot = 0;
-          for (int64_t i = 0; m >= 0 && i < h; ++i)
-            dot += static_cast<A>(in[m * h + i]) * g[p * h + i];
-          res[p * f + j] = dot;
+          res[p * f + j] = m < 0 ? A(0) : DotRow(in + m * h, g + p * h, h);
         }
       });
     });

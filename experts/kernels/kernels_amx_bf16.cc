@@ -15,9 +15,9 @@
 // read with a stride of 128 bytes; A's is [kp / 16][32][16] pairs, so an A
 // tile is 16 rows of 64 contiguous bytes. k is padded with zeros to whole
 // tiles (32 values).
-#include <immintrin.h>
-
 #include <cstring>
+
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 #define MOEFIT_PACK_WIDTH 16
 #include "experts/kernels/internal/bf16_rows_avx512.h"

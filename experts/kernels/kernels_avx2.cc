@@ -2,7 +2,7 @@
 // microkernel (12 accumulators), bfloat16 and FP8 operands converted to
 // float32 as they are packed. A block of at most 8 columns multiplies only
 // the half of the B panel it has.
-#include <immintrin.h>
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 #define MOEFIT_PACK_WIDTH 8
 #include "experts/kernels/internal/bf16_rows_avx2.h"

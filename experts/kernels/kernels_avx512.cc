@@ -3,7 +3,7 @@
 // stores), bfloat16 and FP8 operands converted to float32 as they are packed.
 // A block of at most 16 columns (a LoRA rank's) multiplies only the half of
 // the B panel it has.
-#include <immintrin.h>
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 #define MOEFIT_PACK_WIDTH 16
 #include "experts/kernels/internal/bf16_rows_avx512.h"

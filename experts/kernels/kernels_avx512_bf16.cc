@@ -4,7 +4,7 @@
 // float32 accumulator -- twice the multiply-adds of a float32 FMA per
 // instruction. Used when B (the weight) is bfloat16 or FP8: A is rounded to
 // bfloat16 as it is packed, FP8 x scale too.
-#include <immintrin.h>
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 #define MOEFIT_PACK_WIDTH 16
 #include "experts/kernels/internal/bf16_rows_avx512.h"

@@ -4,11 +4,10 @@
 // AVX2 and wider, with internal linkage (see packed_kernels.h).
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "experts/kernels/internal/pack_common.h"
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {

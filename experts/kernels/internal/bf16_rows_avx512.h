@@ -5,11 +5,10 @@
 // linkage (see packed_kernels.h).
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "experts/kernels/internal/pack_common.h"
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {

@@ -3,9 +3,8 @@
 // pack_x86.h with MOEFIT_PACK_WIDTH 16; internal linkage, like pack_common.h.
 #pragma once
 
-#include <immintrin.h>
-
 #include "experts/kernels/internal/pack_x86.h"
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {

@@ -12,12 +12,11 @@
 // Anything else (tails, other strides) takes the generic path.
 #pragma once
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <utility>
 
 #include "experts/kernels/internal/pack_common.h"
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 #ifndef MOEFIT_PACK_WIDTH
 #error "define MOEFIT_PACK_WIDTH before including pack_x86.h"

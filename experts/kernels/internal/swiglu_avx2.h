@@ -7,11 +7,10 @@
 // (swiglu_scalar.h).
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstdint>
 
 #include "experts/kernels/internal/swiglu_scalar.h"
+#include "experts/kernels/internal/x86_intrinsics.h"
 
 namespace moefit::experts::kernels::internal {
 namespace {

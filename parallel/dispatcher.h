@@ -17,7 +17,8 @@
 // Both are autograd-aware: their backward sends gradients the opposite way,
 // the routing weights' included (their gradient is computed where the expert
 // output is and travels home with the rows'). Over a group of one rank both
-// reduce to a local sort by expert.
+// reduce to a local sort by expert; the alltoall dispatcher then copies no
+// rows at all (its rows are the tokens' own, read where they lie).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -3,14 +3,17 @@
 // tensors and its own experts' bytes (counted by the loader), the loaded
 // weights equal the in-memory ones, and the expert-parallel model computes the
 // logits of the one-process model it was saved from.
+#include "framework/hf_io.h"
+
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cstdlib>
 #include <filesystem>
+#include <string>
+#include <system_error>
 
-#include "framework/hf_io.h"
 #include "framework/model.h"
 #include "launch/config.h"
 #include "parallel/local_communicator.h"
@@ -45,9 +48,22 @@ std::string SharedTempDir(parallel::Communicator& world) {
   return std::string(dir.c_str());
 }
 
+// Removes a directory when it goes out of scope (on rank 0, which made it),
+// also when a failed ASSERT leaves the test early.
+struct RemovedAtExit {
+  std::string path;
+  bool owner;
+  ~RemovedAtExit() {
+    if (!owner) return;
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
+
 TEST(HfDirectory, EachRankReadsItsExpertsAndTheModelMatches) {
   auto world = parallel::testing::World();
-  const std::string dir = SharedTempDir(*world) + "/model";
+  const RemovedAtExit temp{SharedTempDir(*world), world->rank() == 0};
+  const std::string dir = temp.path + "/model";
   launch::RunConfig run = SmallModel();
 
   // The reference: one process, weights from seed 1, saved by rank 0 alone.
@@ -94,8 +110,7 @@ TEST(HfDirectory, EachRankReadsItsExpertsAndTheModelMatches) {
   at::Tensor want = (*reference)->Forward(ids).logits;
   EXPECT_TRUE(at::allclose(got, want, 1e-6, 1e-6))
       << "max difference " << (got - want).abs().max().item<float>();
-  world->Barrier()->WaitOrThrow();
-  if (world->rank() == 0) std::filesystem::remove_all(std::filesystem::path(dir).parent_path());
+  world->Barrier()->WaitOrThrow();  // every rank has read the files before rank 0 removes them
 }
 
 }  // namespace

@@ -5,12 +5,12 @@
 #include <ATen/Parallel.h>
 #include <c10/core/TensorImpl.h>
 #include <c10/util/BFloat16.h>
+#include <immintrin.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <cmath>
 #include <cstring>
 
-#include "experts/kernels/internal/x86_intrinsics.h"
 #include "experts/kernels/isa.h"
 
 namespace moefit::framework {

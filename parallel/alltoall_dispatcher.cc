@@ -19,7 +19,8 @@ using internal::RowRelation;
 
 struct AllToAllRoute final : Route {
   std::vector<int64_t> send_pairs, recv_pairs;  // rows per peer
-  RowRelation home;                             // this rank's tokens -> the rows they sent
+  // This rank's tokens -> the rows they sent (unset at one rank: the identity).
+  RowRelation home;
   RowRelation remote;  // received rows -> their computation rows, one per local expert
   at::Tensor weights;  // [received, k] routing weights (autograd-tracked)
 };
@@ -160,7 +161,6 @@ class AllToAllDispatcher final : public Dispatcher {
                                  const router::OwnerRoutes& routes) {
     auto route = std::make_unique<AllToAllRoute>();
     route->send_pairs = route->recv_pairs = routes.per_owner;
-    route->home = internal::MakeRowRelation(routes.pair_of, routes.tokens.numel());
     route->weights = topk_weight;
     return ExpertRows(x.contiguous(), routes.local_expert, std::move(route));
   }
@@ -191,7 +191,7 @@ class AllToAllDispatcher final : public Dispatcher {
     out.row_index = internal::GroupOf(route->remote);
     out.row_copies = route->remote.members;
     out.counts = std::move(counts);
-    out.sent_rows = route->home.slot.size(0);
+    out.sent_rows = std::accumulate(route->send_pairs.begin(), route->send_pairs.end(), int64_t{0});
     out.route = std::move(route);
     return out;
   }

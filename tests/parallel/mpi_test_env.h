@@ -6,8 +6,8 @@
 // with the rank) and makes every rank exit non-zero if any rank failed.
 // Tests must not return early (ASSERT_*) between collectives on only some
 // ranks: the others would wait for them until the ctest timeout. Where a step
-// can fail on some ranks only (a save, a load), AllRanksOk agrees on the
-// outcome first, so that every rank goes on or every rank stops.
+// can fail on some ranks only (a save, a load), agree on the outcome first
+// (framework::AnyRankFailed), so that every rank goes on or every rank stops.
 //
 // Built with MOEFIT_TEST_PROGRESS_THREAD_US=N, the main starts MPI at
 // MPI_THREAD_MULTIPLE with an MPI progress thread polling every N us
@@ -26,10 +26,5 @@ const std::shared_ptr<MpiCommunicator>& World();
 
 // The progress thread, or nullptr when built without one.
 MpiProgressThread* ProgressThread();
-
-// Whether `ok` holds on every rank of `comm` (a collective: every rank calls
-// it). Use as ASSERT_TRUE(AllRanksOk(comm, status.ok())) after EXPECTing the
-// local status, so that a failure on one rank ends the test on all of them.
-bool AllRanksOk(Communicator& comm, bool ok);
 
 }  // namespace moefit::parallel::testing

@@ -57,12 +57,6 @@ const std::shared_ptr<MpiCommunicator>& World() { return WorldSlot(); }
 
 MpiProgressThread* ProgressThread() { return ProgressSlot().get(); }
 
-bool AllRanksOk(Communicator& comm, bool ok) {
-  at::Tensor flag = at::full({1}, ok ? 1 : 0, at::kInt);
-  comm.AllReduce(flag, ReduceOp::kMin)->WaitOrThrow();
-  return flag.item<int>() == 1;
-}
-
 }  // namespace moefit::parallel::testing
 
 int main(int argc, char** argv) {

@@ -16,6 +16,9 @@
 // The read bandwidth is measured over a buffer of the same size (at least
 // 256 MB). Each format is timed twice: packing B in every call, and with
 // each weight packed ahead (a frozen weight's packs are kept across steps).
+// Where the kernels stream FP8 rows through lookup tables (bfloat16-pair sets
+// on CPUs with AVX-512 VBMI), those rows are timed again through the
+// arithmetic decoder the tables replace ("fp8-d").
 //
 // Flags: --hidden=2048 --inter=768 --rows=1,16,64,256,1024 --experts=N
 // --isa=simd|all|<name> (default simd: every vector set the CPU has; all adds
@@ -35,6 +38,7 @@
 #include <vector>
 
 #include "experts/kernels/gemm.h"
+#include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
 
 namespace moefit::experts::kernels {
@@ -312,15 +316,25 @@ int main(int argc, char** argv) {
         const double t = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
         // The same with each weight packed ahead (PackedB), as the expert
         // layer keeps the packs of a frozen weight from one step to the next.
-        const double t_kept = TimeIt(
-            [&] {
-              const PackedB* p = &kept[4 * (e_run++ % num_kept)];
-              Gemm(isa, m, RowMajor(r.x), p[0], Out(r.gu), false);
-              Gemm(isa, m, RowMajor(r.h), p[1], Out(r.dx), false);
-              Gemm(isa, m, RowMajor(r.dy), p[2], Out(r.dh), false);
-              Gemm(isa, m, RowMajor(r.dgu), p[3], Out(r.dx), false);
-            },
-            f.seconds);
+        auto fwd_dx_kept = [&] {
+          const PackedB* p = &kept[4 * (e_run++ % num_kept)];
+          Gemm(isa, m, RowMajor(r.x), p[0], Out(r.gu), false);
+          Gemm(isa, m, RowMajor(r.h), p[1], Out(r.dx), false);
+          Gemm(isa, m, RowMajor(r.dy), p[2], Out(r.dh), false);
+          Gemm(isa, m, RowMajor(r.dgu), p[3], Out(r.dx), false);
+        };
+        const double t_kept = TimeIt(fwd_dx_kept, f.seconds);
+        // Streamed FP8 rows through the lookup tables: the arithmetic decoder
+        // they replace, timed in the same run as their baseline.
+        const bool tables = w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) &&
+                            m <= internal::kFp8TableRowsNContiguous && internal::Fp8TablesUsable();
+        double t_decoder = 0, t_decoder_kept = 0;
+        if (tables) {
+          internal::SetFp8TablesEnabled(false);
+          t_decoder = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
+          t_decoder_kept = TimeIt(fwd_dx_kept, f.seconds);
+          internal::SetFp8TablesEnabled(true);
+        }
         double t_dw = 0;
         if (w.type != ElemType::kF8E4M3) {  // FP8 weights are frozen: no weight gradients
           t_dw = TimeIt(
@@ -334,13 +348,17 @@ int main(int argc, char** argv) {
         // Forward + dX read each weight twice.
         const double bytes = 2.0 * (3.0 * I * H) * w.gate_up.element_size();
         const double floor_ms = bytes / (bw * 1e9) * 1e3;
-        char line[256];
-        std::snprintf(line, sizeof(line),
-                      "%-12s %-5s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f %9.3f %9.2f\n",
-                      std::string(IsaName(isa)).c_str(), TypeName(w.type),
-                      static_cast<long long>(m), t * 1e3, t_dw * 1e3, flops / t / 1e9, r.t_mm / t,
-                      floor_ms, floor_ms / (t * 1e3), t_kept * 1e3, floor_ms / (t_kept * 1e3));
-        lines[ri].push_back(line);
+        auto add_line = [&](const char* type, double t_run, double t_run_kept) {
+          char line[256];
+          std::snprintf(line, sizeof(line),
+                        "%-12s %-5s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f %9.3f %9.2f\n",
+                        std::string(IsaName(isa)).c_str(), type, static_cast<long long>(m),
+                        t_run * 1e3, t_dw * 1e3, flops / t_run / 1e9, r.t_mm / t_run, floor_ms,
+                        floor_ms / (t_run * 1e3), t_run_kept * 1e3, floor_ms / (t_run_kept * 1e3));
+          lines[ri].push_back(line);
+        };
+        add_line(TypeName(w.type), t, t_kept);
+        if (tables) add_line("fp8-d", t_decoder, t_decoder_kept);
       }
     }
   }
@@ -360,6 +378,9 @@ int main(int argc, char** argv) {
       "kernel time (1.0 = at the memory floor);\n"
       "kept ms, kept/mem: forward+dX with the weights packed ahead (as a frozen weight's\n"
       "packs are kept across steps; up to 8 rows stream the weight unpacked either way),\n"
-      "and its ratio to the same memory floor.\n");
+      "and its ratio to the same memory floor.\n"
+      "fp8-d: the FP8 rows above them again, through the arithmetic decoder instead of\n"
+      "the per-block lookup tables (AVX-512 VBMI; the same bits), which take the\n"
+      "forward GEMMs up to 3 rows and the dX ones up to 5.\n");
   return 0;
 }

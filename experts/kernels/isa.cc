@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cstdlib>
 
+#include "experts/kernels/internal/fp8_tables.h"
+
 namespace moefit::experts::kernels {
 namespace {
 
@@ -64,6 +66,7 @@ Isa FromEnvironment(Isa detected) {
 }
 
 std::atomic<int> limit{-1};  // -1: not set by LimitIsa
+std::atomic<bool> fp8_tables_enabled{true};
 
 }  // namespace
 
@@ -115,10 +118,25 @@ std::string CpuFlags() {
   add(__builtin_cpu_supports("avx512bw"), "avx512bw");
   add(__builtin_cpu_supports("avx512vl"), "avx512vl");
   add(__builtin_cpu_supports("avx512bf16"), "avx512_bf16");
+  add(__builtin_cpu_supports("avx512vbmi"), "avx512_vbmi");
   flags += __builtin_cpu_supports("amx-bf16")
                ? (DetectIsa() == Isa::kAmxBf16 ? " amx_bf16" : " amx_bf16 (refused by the OS)")
                : " (no amx)";
   return flags;
 }
 
+namespace internal {
+
+bool Fp8TablesUsable() {
+  static const bool cpu = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vbmi");
+  }();
+  return cpu && fp8_tables_enabled.load(std::memory_order_relaxed);
+}
+
+void SetFp8TablesEnabled(bool enabled) { fp8_tables_enabled.store(enabled); }
+
+}  // namespace internal
 }  // namespace moefit::experts::kernels

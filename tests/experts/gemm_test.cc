@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
 
 namespace moefit::experts::kernels {
@@ -432,6 +433,85 @@ TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
       }
     }
   }
+}
+
+// The FP8 lookup tables (internal/fp8_tables.h) against the decoder they
+// stand in for, on the sets that multiply in bfloat16: the same bits for
+// every streamed row count (those they leave to the decoder included), both
+// weight layouts, both activation and output
+// types, with and without accumulation, at sizes that cut the 64-byte runs,
+// the 16-lane vectors and the 128 x 128 scale blocks short. The bytes take
+// every value (NaN included, in a case of its own, since one NaN makes its
+// whole output column NaN) and the block scales are of either sign, tiny
+// (subnormal bfloat16 products) and huge (infinite ones).
+TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
+  if (!internal::Fp8TablesUsable()) {
+    GTEST_SKIP() << "no AVX-512 VBMI on this CPU (" << CpuFlags()
+                 << "); the tables run on CPUs that have it";
+  }
+  struct Shape {
+    int64_t k, n;
+    bool nan_bytes;
+  };
+  const Shape shapes[] = {{300, 260, false}, {1000, 77, false}, {17, 129, false},
+                          {15, 16, false},   {130, 5, false},   {64, 200, true}};
+  int64_t compared = 0;
+  for (const Isa isa : {Isa::kAvx512Bf16, Isa::kAmxBf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    for (const Shape& shape : shapes) {
+      for (const bool transposed : {true, false}) {
+        at::manual_seed(shape.k * 7 + shape.n);
+        // Stored [k, n] (B read as is: n-contiguous) or [n, k] (Wᵀ: k-contiguous).
+        at::Tensor bytes = transposed ? at::randint(0, 256, {shape.n, shape.k}, at::kByte)
+                                      : at::randint(0, 256, {shape.k, shape.n}, at::kByte);
+        if (!shape.nan_bytes) {
+          bytes.masked_fill_((bytes == 0x7f).logical_or(bytes == 0xff), 0x42);
+        }
+        const int64_t sr = (bytes.size(0) + kScaleBlock - 1) / kScaleBlock;
+        const int64_t sc = (bytes.size(1) + kScaleBlock - 1) / kScaleBlock;
+        at::Tensor scales = at::rand({sr, sc}).add_(0.5).div_(100);
+        float* sp = scales.data_ptr<float>();
+        const float odd[] = {-0.013f, 1e-39f, 1e36f, -2e-42f};
+        for (int64_t i = 0; i < sr * sc && i < 4; ++i) sp[(i * 5) % (sr * sc)] = odd[i];
+        const Operand b{bytes.data_ptr(),
+                        ElemType::kF8E4M3,
+                        transposed ? 1 : shape.n,
+                        transposed ? shape.k : 1,
+                        sp,
+                        transposed ? 1 : sc,
+                        transposed ? sc : 1};
+        for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
+          for (int64_t m = 1; m <= kMaxStreamedRows; ++m) {
+            for (const ElemType out_type : {ElemType::kF32, ElemType::kBF16}) {
+              for (const bool accumulate : {false, true}) {
+                SCOPED_TRACE(
+                    ::testing::Message()
+                    << IsaName(isa) << " k " << shape.k << " n " << shape.n << " Wᵀ " << transposed
+                    << " m " << m << " A " << (a_type == ElemType::kF32 ? "f32" : "bf16") << " out "
+                    << (out_type == ElemType::kF32 ? "f32" : "bf16") << " +=" << accumulate);
+                Stored a = MakeOperand(m, shape.k, a_type, false, 31 + m);
+                const at::Tensor prior = at::randn({m, shape.n}).to(TorchType(out_type));
+                at::Tensor by_tables = prior.clone(), by_decoder = prior.clone();
+                Gemm(isa, m, shape.n, shape.k, a.op, b,
+                     Output{by_tables.data_ptr(), out_type, shape.n}, accumulate,
+                     RowPath::kStreamed);
+                internal::SetFp8TablesEnabled(false);
+                Gemm(isa, m, shape.n, shape.k, a.op, b,
+                     Output{by_decoder.data_ptr(), out_type, shape.n}, accumulate,
+                     RowPath::kStreamed);
+                internal::SetFp8TablesEnabled(true);
+                EXPECT_EQ(
+                    std::memcmp(by_tables.data_ptr(), by_decoder.data_ptr(), by_tables.nbytes()),
+                    0);
+                ++compared;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(compared, 0);
 }
 
 // A bfloat16 output is the float32 result rounded to nearest even, as c10

@@ -38,7 +38,7 @@ inline uint16_t F32ToBf16(float f) {
 
 // out[j] = bfloat16(src[j]), or bfloat16(out[j] + src[j]) when accumulating:
 // a float32 block's row written to a bfloat16 output.
-void StoreBf16RowScalar(const float* src, uint16_t* out, int64_t n, bool accumulate) {
+inline void StoreBf16RowScalar(const float* src, uint16_t* out, int64_t n, bool accumulate) {
   for (int64_t j = 0; j < n; ++j)
     out[j] = F32ToBf16(accumulate ? Bf16ToF32(out[j]) + src[j] : src[j]);
 }

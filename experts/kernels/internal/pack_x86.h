@@ -15,6 +15,7 @@
 #include <cmath>
 #include <utility>
 
+#include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/internal/pack_common.h"
 #include "experts/kernels/internal/x86_intrinsics.h"
 
@@ -480,21 +481,28 @@ void StreamNContiguous(int64_t n, int64_t k_size, const Operand& a, const Operan
   }
 }
 
-// Runs fn.template operator()<kM>() for kM = m, 1 <= m <= kMaxStreamedRows.
-template <typename Fn>
+// Runs fn.template operator()<kM>() for kM = m, 1 <= m <= kMaxRows.
+template <int64_t kMaxRows = kMaxStreamedRows, typename Fn>
 inline void DispatchRows(int64_t m, const Fn& fn) {
   [&]<int... kI>(std::integer_sequence<int, kI...>) {
     (void)((m == kI + 1 && (fn.template operator()<kI + 1>(), true)) || ...);
   }
-  (std::make_integer_sequence<int, kMaxStreamedRows>{});
+  (std::make_integer_sequence<int, static_cast<int>(kMaxRows)>{});
 }
 
 // The streamed path for 1 <= m <= kMaxStreamedRows. Returns false, having
 // done nothing, for layouts it does not take (A with strided columns or FP8;
-// B with neither dimension contiguous).
+// B with neither dimension contiguous). With kRoundFp8, an FP8 B goes through
+// the lookup tables of fp8_tables.h where the CPU has them: the same bits.
 template <bool kRoundFp8 = false>
 bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                const Output& c, bool accumulate) {
+  if constexpr (kRoundFp8) {
+    if (b.type == ElemType::kF8E4M3 && Fp8TablesUsable() &&
+        StreamFp8ByTables(m, n, k_size, a, b, c, accumulate)) {
+      return true;
+    }
+  }
   if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
       (b.row_stride != 1 && b.col_stride != 1)) {
     return false;

@@ -1,0 +1,50 @@
+// FP8 weights streamed through per-block lookup tables, for the kernels that
+// multiply bfloat16 pairs (avx512_bf16, amx_bf16) on CPUs that also have
+// AVX-512 VBMI (Ice Lake and later Intel server cores, AMD Zen 4 and later).
+//
+// For a few rows the expert GEMM should run at the speed of reading the
+// weight, and an FP8 weight is half the bytes of a bfloat16 one. But on these
+// sets the streamed path (SmallRows<true>, pack_x86.h) multiplies every FP8
+// element as bfloat16(e4m3 x block scale), and decoding, scaling and rounding
+// take about a dozen vector instructions per 16 elements: FP8 ran slower than
+// bfloat16. Within one 128 x 128 scale block each of the 256 byte values
+// stands for one bfloat16, so the 256 results are made once per block, with
+// SmallRows<true>'s own decoder (the same bits for every byte and scale), and
+// each 64 bytes of weight become 64 floats by byte permutes (vpermt2b).
+//
+// StreamFp8ByTables gives SmallRows<true>'s bits exactly: every element of C
+// is summed in the same order, from the same weight values, with the same
+// scalar tails.
+#pragma once
+
+#include <cstdint>
+
+#include "experts/kernels/gemm.h"
+
+namespace moefit::experts::kernels::internal {
+
+// Whether this CPU can run the tables (AVX-512 F/BW/VL and VBMI) and they
+// are not turned off.
+bool Fp8TablesUsable();
+
+// Turns the tables off (or back on) in this process: SmallRows<true> then
+// decodes every byte itself. For the tests and benchmarks that compare the
+// two.
+void SetFp8TablesEnabled(bool enabled);
+
+// The most rows the tables take, per layout of B: where they measured faster
+// than the decoder, against the same rows through it, one core of a Zen 5
+// (H 2048, I 768): B k-contiguous (the forward GEMMs' Wᵀ) 1.2-2.3x at 1-3
+// rows, 0.9-1.0x at 4; B n-contiguous (dX's W) 1.0-2.4x at 1-5 rows, 1.0x at 6.
+inline constexpr int64_t kFp8TableRowsKContiguous = 3;
+inline constexpr int64_t kFp8TableRowsNContiguous = 5;
+
+// The streamed GEMM (see SmallRows in pack_x86.h) for an FP8 B, each element
+// multiplied as bfloat16(e4m3 x scale). Returns false, having done nothing,
+// for the calls SmallRows declines, for a B that is not FP8, and for more
+// rows than above, which the decoder then takes. Only to be called where
+// Fp8TablesUsable().
+bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                       const Output& c, bool accumulate);
+
+}  // namespace moefit::experts::kernels::internal

@@ -1,0 +1,356 @@
+// FP8 weights streamed through per-block lookup tables (compiled with
+// -mavx512f -mavx512bw -mavx512vl -mavx512vbmi -mfma -mf16c); see
+// internal/fp8_tables.h for why.
+//
+// A table holds, for one scale block, the bfloat16 of each byte value as two
+// byte planes (low and high byte), 256 entries each in four registers.
+// Decoding 64 weight bytes: vpermt2b looks each byte up by its low 7 bits in
+// two registers of a plane, twice (bytes below 128 and from 128), and the sign
+// bit picks one; then four vpermt2b lay the two planes' bytes into the upper
+// half of each float32 lane, a bfloat16 widened exactly. About 11 instructions
+// per 64 elements, where the arithmetic decoder takes about 12 per 16.
+//
+// The loops are SmallRows<true>'s (pack_x86.h), reordered so that one table
+// serves a run of its block, with each element of C still summed in the same
+// order: along k in 16-lane partial sums reduced at the end (k-contiguous B),
+// or one float32 sum per element in k order (n-contiguous B).
+#include "experts/kernels/internal/x86_intrinsics.h"
+
+#define MOEFIT_PACK_WIDTH 16
+#include <vector>
+
+#include "experts/kernels/internal/fp8_tables.h"
+#include "experts/kernels/internal/pack_x86.h"
+
+namespace moefit::experts::kernels::internal {
+namespace {
+
+struct alignas(64) Fp8Table {
+  uint8_t lo[256];  // bits 16-23 of the float32 of byte v's bfloat16
+  uint8_t hi[256];  // bits 24-31
+};
+
+// Byte v's entry is RoundBf16F(LoadF8(v, scale)), the value SmallRows<true>
+// multiplies by, made by those functions: NaN bytes, subnormals, either sign
+// and any scale give its bits. RoundBf16F clears the low 16 bits, so the two
+// planes hold the whole float.
+void MakeTable(float scale, Fp8Table* t) {
+  alignas(64) uint8_t bytes[256];
+  for (int v = 0; v < 256; ++v) bytes[v] = static_cast<uint8_t>(v);
+  for (int q = 0; q < 16; ++q) {
+    const __m512i bits = _mm512_castps_si512(RoundBf16F(LoadF8(bytes, 16 * q, scale)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(t->lo + 16 * q),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 16)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(t->hi + 16 * q),
+                    _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 24)));
+  }
+}
+
+// The tables of every scale block that a call's k_size x n of B touches.
+class Tables {
+ public:
+  void Make(const Operand& b, int64_t k_size, int64_t n) {
+    const int64_t num_kb = (k_size + kScaleBlock - 1) / kScaleBlock;
+    num_jb_ = (n + kScaleBlock - 1) / kScaleBlock;
+    if (static_cast<int64_t>(tables_.size()) < num_kb * num_jb_) tables_.resize(num_kb * num_jb_);
+    for (int64_t kb = 0; kb < num_kb; ++kb) {
+      for (int64_t jb = 0; jb < num_jb_; ++jb) {
+        MakeTable(Scale<ElemType::kF8E4M3>(b, kb * kScaleBlock, jb * kScaleBlock),
+                  &tables_[kb * num_jb_ + jb]);
+      }
+    }
+  }
+  // The table of element (k, j)'s block.
+  const Fp8Table& At(int64_t k, int64_t j) const {
+    return tables_[(k / kScaleBlock) * num_jb_ + j / kScaleBlock];
+  }
+
+ private:
+  std::vector<Fp8Table> tables_;
+  int64_t num_jb_ = 0;
+};
+
+// One table in registers.
+struct Planes {
+  __m512i lo[4], hi[4];
+};
+
+inline Planes LoadPlanes(const Fp8Table& t) {
+  Planes p;
+  for (int r = 0; r < 4; ++r) {
+    p.lo[r] = _mm512_load_si512(t.lo + 64 * r);
+    p.hi[r] = _mm512_load_si512(t.hi + 64 * r);
+  }
+  return p;
+}
+
+// Output lane l of vector q takes the planes' bytes of element 16q + l into
+// its bytes 2 and 3 (vpermt2b's index bit 6 picks the second source, hi);
+// bytes 0 and 1 are zeroed by kUpperHalves.
+struct Spread {
+  __m512i idx[4];
+};
+constexpr __mmask64 kUpperHalves = 0xccccccccccccccccull;
+
+Spread MakeSpread() {
+  alignas(64) uint8_t b[4][64] = {};
+  for (int q = 0; q < 4; ++q) {
+    for (int l = 0; l < 16; ++l) {
+      b[q][4 * l + 2] = static_cast<uint8_t>(16 * q + l);
+      b[q][4 * l + 3] = static_cast<uint8_t>(64 + 16 * q + l);
+    }
+  }
+  Spread s;
+  for (int q = 0; q < 4; ++q) s.idx[q] = _mm512_load_si512(b[q]);
+  return s;
+}
+
+inline __m512i LookUp(const __m512i plane[4], __m512i x, __mmask64 from_128) {
+  return _mm512_mask_blend_epi8(from_128, _mm512_permutex2var_epi8(plane[0], x, plane[1]),
+                                _mm512_permutex2var_epi8(plane[2], x, plane[3]));
+}
+
+// 64 bytes x looked up in both planes: the low and the high byte of each
+// one's bfloat16.
+struct Looked {
+  __m512i lo, hi;
+};
+inline Looked LookUpBytes(const Planes& p, __m512i x) {
+  const __mmask64 from_128 = _mm512_movepi8_mask(x);
+  return {LookUp(p.lo, x, from_128), LookUp(p.hi, x, from_128)};
+}
+
+// Elements 16q.. 16q + 15 of the 64 looked up, as float32 weights.
+inline __m512 Widen(const Looked& v, const Spread& s, int q) {
+  return _mm512_castsi512_ps(_mm512_maskz_permutex2var_epi8(kUpperHalves, v.lo, s.idx[q], v.hi));
+}
+
+// Runs fn.template operator()<kNv>() for the kNv = run / 16 vectors of a run
+// of 16 to 64 elements: the loops over them unrolled, their registers named.
+template <typename Fn>
+inline void WithVectors(int64_t run, const Fn& fn) {
+  switch (run / kVl) {
+    case 4:
+      fn.template operator()<4>();
+      break;
+    case 3:
+      fn.template operator()<3>();
+      break;
+    case 2:
+      fn.template operator()<2>();
+      break;
+    default:
+      fn.template operator()<1>();
+      break;
+  }
+}
+
+// The first `bytes` (at most 64) bytes at p, the rest zero.
+inline __m512i LoadBytes(const uint8_t* p, int64_t bytes) {
+  if (bytes >= 64) return _mm512_loadu_si512(p);
+  return _mm512_maskz_loadu_epi8((1ull << bytes) - 1, p);
+}
+
+// A's rows as float32 (its values exactly), laid out so that one pointer
+// and constant offsets reach every row: the loops below then keep their
+// registers for the table, the weights and the sums.
+//   k-contiguous B: [k / 16][kM][16], the 16-lane vectors of all rows of one
+//     k step side by side (the whole vectors only; tails read A itself);
+//   n-contiguous B: [k][kM], the values the rows broadcast at one k.
+template <int kM, ElemType TA>
+const float* VectorsOfA(const Operand& a, int64_t k_size, std::vector<float>& buf) {
+  const int64_t steps = k_size / kVl;
+  if (static_cast<int64_t>(buf.size()) < steps * kM * kVl) buf.resize(steps * kM * kVl);
+  for (int64_t v = 0; v < steps; ++v) {
+    for (int i = 0; i < kM; ++i) {
+      StoreF(buf.data() + (v * kM + i) * kVl, LoadF<TA>(a.data, i * a.row_stride + v * kVl));
+    }
+  }
+  return buf.data();
+}
+template <int kM, ElemType TA>
+const float* ValuesOfA(const Operand& a, int64_t k_size, std::vector<float>& buf) {
+  if (static_cast<int64_t>(buf.size()) < k_size * kM) buf.resize(k_size * kM);
+  for (int64_t k = 0; k < k_size; ++k) {
+    for (int i = 0; i < kM; ++i) buf[k * kM + i] = ValueAs<TA>(a, i, k);
+  }
+  return buf.data();
+}
+
+// B(k, j) = data[j * col_stride + k]: StreamColumns' sums for kC columns
+// [j0, j0 + kC) of one scale block, 64 k values of a column decoded at once;
+// xv from VectorsOfA.
+template <int kM, int kC, ElemType TA>
+void Columns(int64_t j0, int64_t k_size, const float* xv, const Operand& a, const Operand& b,
+             const Output& c, bool accumulate, const Tables& tables, const Spread& s) {
+  const auto* bytes = static_cast<const uint8_t*>(b.data);
+  const int64_t k_full = k_size / kVl * kVl;
+  VecF acc[kM][kC];
+  for (int i = 0; i < kM; ++i)
+    for (int j = 0; j < kC; ++j) acc[i][j] = ZeroF();
+  for (int64_t kb = 0; kb < k_full; kb += kScaleBlock) {
+    const Planes p = LoadPlanes(tables.At(kb, j0));
+    const int64_t kb_end = MinI(kb + kScaleBlock, k_full);
+    for (int64_t k = kb; k < kb_end; k += 64) {
+      const int64_t run = MinI(64, kb_end - k);
+      const float* x = xv + k * kM;  // the vectors of step k / 16
+      WithVectors(run, [&]<int kNv>() {
+#pragma GCC unroll 4
+        for (int j = 0; j < kC; ++j) {
+          const uint8_t* col = bytes + (j0 + j) * b.col_stride + k;
+          _mm_prefetch(reinterpret_cast<const char*>(col + kC * b.col_stride), _MM_HINT_T0);
+          const Looked v = LookUpBytes(p, LoadBytes(col, run));
+#pragma GCC unroll 4
+          for (int q = 0; q < kNv; ++q) {
+            const VecF w = Widen(v, s, q);
+#pragma GCC unroll 8
+            for (int i = 0; i < kM; ++i) {
+              acc[i][j] = FmaF(LoadPlainF(x + (q * kM + i) * kVl), w, acc[i][j]);
+            }
+          }
+        }
+      });
+    }
+  }
+  float tail[kM][kC] = {};
+  for (int64_t k = k_full; k < k_size; ++k) {
+    for (int j = 0; j < kC; ++j) {
+      const float w = WeightValue<ElemType::kF8E4M3, true>(b, k, j0 + j);
+      for (int i = 0; i < kM; ++i) tail[i][j] = std::fma(ValueAs<TA>(a, i, k), w, tail[i][j]);
+    }
+  }
+  for (int i = 0; i < kM; ++i) {
+    for (int j = 0; j < kC; ++j) StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
+  }
+}
+
+template <int kM, ElemType TA>
+void KContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
+                 bool accumulate, const Tables& tables, const Spread& s) {
+  // Sums, table and spread within the 32 vector registers.
+  constexpr int kC = kM <= 2 ? 4 : 2;
+  thread_local std::vector<float> buf;
+  const float* xv = VectorsOfA<kM, TA>(a, k_size, buf);
+  for (int64_t jb = 0; jb < n; jb += kScaleBlock) {
+    const int64_t end = MinI(jb + kScaleBlock, n);
+    int64_t j = jb;
+    for (; j + kC <= end; j += kC) {
+      Columns<kM, kC, TA>(j, k_size, xv, a, b, c, accumulate, tables, s);
+    }
+    for (; j < end; ++j) Columns<kM, 1, TA>(j, k_size, xv, a, b, c, accumulate, tables, s);
+  }
+}
+
+// B(k, j) = data[k * row_stride + j]: AddRows' sums, kK rows k0.. (of one
+// scale block) added into acc[i][0, width) for the columns j0.. of a strip
+// (j0 a multiple of the scale block, width of vectors), 64 columns of a row
+// decoded at once; xs from ValuesOfA.
+template <int kM, int kK>
+inline void AddRowsByTables(int64_t k0, int64_t j0, int64_t width, const float* xs,
+                            const Operand& b, float* acc, int64_t acc_stride, const Tables& tables,
+                            const Spread& s) {
+  const float* x = xs + k0 * kM;
+  const uint8_t* rows = static_cast<const uint8_t*>(b.data) + k0 * b.row_stride + j0;
+  for (int64_t jb = 0; jb < width; jb += kScaleBlock) {
+    const Planes p = LoadPlanes(tables.At(k0, j0 + jb));
+    const int64_t jb_end = MinI(jb + kScaleBlock, width);
+    for (int64_t j = jb; j < jb_end; j += 64) {
+      const int64_t run = MinI(64, jb_end - j);
+      WithVectors(run, [&]<int kNv>() {
+        Looked v[kK];
+#pragma GCC unroll 4
+        for (int kk = 0; kk < kK; ++kk) {
+          _mm_prefetch(reinterpret_cast<const char*>(rows + (kK + kk) * b.row_stride + j),
+                       _MM_HINT_T0);
+          v[kk] = LookUpBytes(p, LoadBytes(rows + kk * b.row_stride + j, run));
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < kNv; ++q) {
+          VecF w[kK];
+#pragma GCC unroll 4
+          for (int kk = 0; kk < kK; ++kk) w[kk] = Widen(v[kk], s, q);
+#pragma GCC unroll 8
+          for (int i = 0; i < kM; ++i) {
+            float* dst = acc + i * acc_stride + j + kVl * q;
+            VecF sum = LoadPlainF(dst);
+#pragma GCC unroll 4
+            for (int kk = 0; kk < kK; ++kk) sum = FmaF(SetF(x[kk * kM + i]), w[kk], sum);
+            StoreF(dst, sum);
+          }
+        }
+      });
+    }
+  }
+}
+
+template <int kM, ElemType TA>
+void NContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
+                 bool accumulate, const Tables& tables, const Spread& s) {
+  // kM rows of C for a strip in 16 KiB of L1, the strip whole scale blocks.
+  constexpr int64_t kStrip = 4096 / kM / kScaleBlock * kScaleBlock > kScaleBlock
+                                 ? 4096 / kM / kScaleBlock * kScaleBlock
+                                 : kScaleBlock;
+  // As StreamNContiguous: each accumulator loaded and stored once per kK rows.
+  constexpr int kK = kM * 4 <= kVl ? 4 : kM * 2 <= kVl ? 2 : 1;
+  thread_local std::vector<float> buf;
+  const float* xs = ValuesOfA<kM, TA>(a, k_size, buf);
+  alignas(64) float acc[kM][kStrip];
+  const int64_t full = n / kVl * kVl;
+  for (int64_t j0 = 0; j0 < full; j0 += kStrip) {
+    const int64_t width = MinI(kStrip, full - j0);
+    for (int i = 0; i < kM; ++i)
+      for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + kK <= k_size; k += kK) {
+      AddRowsByTables<kM, kK>(k, j0, width, xs, b, &acc[0][0], kStrip, tables, s);
+    }
+    for (; k < k_size; ++k) {
+      AddRowsByTables<kM, 1>(k, j0, width, xs, b, &acc[0][0], kStrip, tables, s);
+    }
+    for (int i = 0; i < kM; ++i) {
+      for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
+    }
+  }
+  // The last columns (fewer than one vector), scalar, as StreamNContiguous.
+  for (int i = 0; i < kM; ++i) {
+    for (int64_t j = full; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < k_size; ++k) {
+        sum = std::fma(ValueAs<TA>(a, i, k), WeightValue<ElemType::kF8E4M3, true>(b, k, j), sum);
+      }
+      StoreOut(c, i, j, sum, accumulate);
+    }
+  }
+}
+
+}  // namespace
+
+bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                       const Output& c, bool accumulate) {
+  if (b.type != ElemType::kF8E4M3 || m < 1 || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
+      (b.row_stride != 1 && b.col_stride != 1)) {
+    return false;
+  }
+  // More rows go to the decoder: with few columns at a time (the registers
+  // the tables take), the sums' FMA chains, not decoding, bound the time.
+  if (m > (b.row_stride == 1 ? kFp8TableRowsKContiguous : kFp8TableRowsNContiguous)) return false;
+  thread_local Tables tables;
+  const Spread spread = MakeSpread();
+  tables.Make(b, k_size, n);
+  DispatchType(a.type, [&]<ElemType TA>() {
+    if constexpr (TA != ElemType::kF8E4M3) {
+      if (b.row_stride == 1) {
+        DispatchRows<kFp8TableRowsKContiguous>(m, [&]<int kM>() {
+          KContiguous<kM, TA>(n, k_size, a, b, c, accumulate, tables, spread);
+        });
+      } else {
+        DispatchRows<kFp8TableRowsNContiguous>(m, [&]<int kM>() {
+          NContiguous<kM, TA>(n, k_size, a, b, c, accumulate, tables, spread);
+        });
+      }
+    }
+  });
+  return true;
+}
+
+}  // namespace moefit::experts::kernels::internal

@@ -212,16 +212,7 @@ void Columns(int64_t j0, int64_t k_size, const float* xv, const Operand& a, cons
       });
     }
   }
-  float tail[kM][kC] = {};
-  for (int64_t k = k_full; k < k_size; ++k) {
-    for (int j = 0; j < kC; ++j) {
-      const float w = WeightValue<ElemType::kF8E4M3, true>(b, k, j0 + j);
-      for (int i = 0; i < kM; ++i) tail[i][j] = std::fma(ValueAs<TA>(a, i, k), w, tail[i][j]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int j = 0; j < kC; ++j) StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
-  }
+  StoreColumns<kM, kC, true, TA, ElemType::kF8E4M3>(j0, k_full, k_size, a, b, c, accumulate, acc);
 }
 
 template <int kM, ElemType TA>
@@ -290,37 +281,13 @@ void NContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b, 
   constexpr int64_t kStrip = 4096 / kM / kScaleBlock * kScaleBlock > kScaleBlock
                                  ? 4096 / kM / kScaleBlock * kScaleBlock
                                  : kScaleBlock;
-  // As StreamNContiguous: each accumulator loaded and stored once per kK rows.
-  constexpr int kK = kM * 4 <= kVl ? 4 : kM * 2 <= kVl ? 2 : 1;
   thread_local std::vector<float> buf;
   const float* xs = ValuesOfA<kM, TA>(a, k_size, buf);
-  alignas(64) float acc[kM][kStrip];
-  const int64_t full = n / kVl * kVl;
-  for (int64_t j0 = 0; j0 < full; j0 += kStrip) {
-    const int64_t width = MinI(kStrip, full - j0);
-    for (int i = 0; i < kM; ++i)
-      for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
-    int64_t k = 0;
-    for (; k + kK <= k_size; k += kK) {
-      AddRowsByTables<kM, kK>(k, j0, width, xs, b, &acc[0][0], kStrip, tables, s);
-    }
-    for (; k < k_size; ++k) {
-      AddRowsByTables<kM, 1>(k, j0, width, xs, b, &acc[0][0], kStrip, tables, s);
-    }
-    for (int i = 0; i < kM; ++i) {
-      for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
-    }
-  }
-  // The last columns (fewer than one vector), scalar, as StreamNContiguous.
-  for (int i = 0; i < kM; ++i) {
-    for (int64_t j = full; j < n; ++j) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < k_size; ++k) {
-        sum = std::fma(ValueAs<TA>(a, i, k), WeightValue<ElemType::kF8E4M3, true>(b, k, j), sum);
-      }
-      StoreOut(c, i, j, sum, accumulate);
-    }
-  }
+  SumStrips<kM, kStrip, true, TA, ElemType::kF8E4M3>(
+      n, k_size, a, b, c, accumulate,
+      [&]<int kK>(int64_t k, int64_t j0, int64_t width, float(&acc)[kM][kStrip]) {
+        AddRowsByTables<kM, kK>(k, j0, width, xs, b, &acc[0][0], kStrip, tables, s);
+      });
 }
 
 }  // namespace

@@ -376,6 +376,40 @@ inline void Prefetch(const void* data, int64_t idx) {
   _mm_prefetch(static_cast<const char*>(data) + idx * kBytes, _MM_HINT_T0);
 }
 
+// The end of StreamColumns' sums for columns [j0, j0 + kC): acc's lanes
+// reduced, plus the products of k in [k_tail, k_size) summed in order, into C.
+template <int kM, int kC, bool kRoundFp8, ElemType TA, ElemType T>
+inline void StoreColumns(int64_t j0, int64_t k_tail, int64_t k_size, const Operand& a,
+                         const Operand& b, const Output& c, bool accumulate,
+                         const VecF (&acc)[kM][kC]) {
+  float tail[kM][kC] = {};
+  for (int64_t k = k_tail; k < k_size; ++k) {
+    for (int j = 0; j < kC; ++j) {
+      const float w = WeightValue<T, kRoundFp8>(b, k, j0 + j);
+      for (int i = 0; i < kM; ++i) tail[i][j] = std::fma(ValueAs<TA>(a, i, k), w, tail[i][j]);
+    }
+  }
+  for (int i = 0; i < kM; ++i) {
+    for (int j = 0; j < kC; ++j) StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
+  }
+}
+
+// Columns [j_first, n) of C, fewer than one vector, scalar: each element one
+// sum over k in order (StreamNContiguous' last columns).
+template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
+inline void StoreLastColumns(int64_t j_first, int64_t n, int64_t k_size, const Operand& a,
+                             const Operand& b, const Output& c, bool accumulate) {
+  for (int i = 0; i < kM; ++i) {
+    for (int64_t j = j_first; j < n; ++j) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < k_size; ++k) {
+        sum = std::fma(ValueAs<TA>(a, i, k), WeightValue<T, kRoundFp8>(b, k, j), sum);
+      }
+      StoreOut(c, i, j, sum, accumulate);
+    }
+  }
+}
+
 // B(k, j) = data[j * col_stride + k]: column j is contiguous along k. kC
 // columns [j0, j0 + kC) at a time: kM x kC vector accumulators over k, each
 // reduced at the end, plus a scalar tail of k.
@@ -397,16 +431,7 @@ inline void StreamColumns(int64_t j0, int64_t k_size, const Operand& a, const Op
       for (int i = 0; i < kM; ++i) acc[i][j] = FmaF(x[i], w, acc[i][j]);
     }
   }
-  float tail[kM][kC] = {};
-  for (; k < k_size; ++k) {
-    for (int j = 0; j < kC; ++j) {
-      const float w = WeightValue<T, kRoundFp8>(b, k, j0 + j);
-      for (int i = 0; i < kM; ++i) tail[i][j] = std::fma(ValueAs<TA>(a, i, k), w, tail[i][j]);
-    }
-  }
-  for (int i = 0; i < kM; ++i) {
-    for (int j = 0; j < kC; ++j) StoreOut(c, i, j0 + j, SumF(acc[i][j]) + tail[i][j], accumulate);
-  }
+  StoreColumns<kM, kC, kRoundFp8, TA, T>(j0, k, k_size, a, b, c, accumulate, acc);
 }
 
 template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
@@ -444,6 +469,31 @@ inline void AddRows(int64_t k0, int64_t j0, int64_t width, const Operand& a, con
   }
 }
 
+// StreamNContiguous' loops: for each strip of kStrip columns (of whole
+// vectors), acc zeroed, add_rows.template operator()<kK>(k, j0, width, acc)
+// adding rows k.. k + kK - 1 of B into it -- kK rows at a time, each
+// accumulator loaded and stored once per kK rows, then one at a time -- and
+// acc written to C; then the last columns.
+template <int kM, int64_t kStrip, bool kRoundFp8, ElemType TA, ElemType T, typename AddRowsFn>
+inline void SumStrips(int64_t n, int64_t k_size, const Operand& a, const Operand& b,
+                      const Output& c, bool accumulate, const AddRowsFn& add_rows) {
+  constexpr int kK = kM * 4 <= kVl ? 4 : kM * 2 <= kVl ? 2 : 1;
+  alignas(64) float acc[kM][kStrip];
+  const int64_t full = n / kVl * kVl;
+  for (int64_t j0 = 0; j0 < full; j0 += kStrip) {
+    const int64_t width = MinI(kStrip, full - j0);
+    for (int i = 0; i < kM; ++i)
+      for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
+    int64_t k = 0;
+    for (; k + kK <= k_size; k += kK) add_rows.template operator()<kK>(k, j0, width, acc);
+    for (; k < k_size; ++k) add_rows.template operator()<1>(k, j0, width, acc);
+    for (int i = 0; i < kM; ++i) {
+      for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
+    }
+  }
+  StoreLastColumns<kM, kRoundFp8, TA, T>(full, n, k_size, a, b, c, accumulate);
+}
+
 // B(k, j) = data[k * row_stride + j]: row k is contiguous along j. Strips of
 // up to kStrip columns: the kM rows of C for the strip stay in L1 (16 KiB)
 // while B is read kK rows at a time, kStrip contiguous elements of each (long
@@ -453,32 +503,11 @@ template <int kM, bool kRoundFp8, ElemType TA, ElemType T>
 void StreamNContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate) {
   constexpr int64_t kStrip = 4096 / kM / kVl * kVl;
-  constexpr int kK = kM * 4 <= kVl ? 4 : kM * 2 <= kVl ? 2 : 1;
-  alignas(64) float acc[kM][kStrip];
-  const int64_t full = n / kVl * kVl;
-  for (int64_t j0 = 0; j0 < full; j0 += kStrip) {
-    const int64_t width = MinI(kStrip, full - j0);
-    for (int i = 0; i < kM; ++i)
-      for (int64_t j = 0; j < width; ++j) acc[i][j] = 0.0f;
-    int64_t k = 0;
-    for (; k + kK <= k_size; k += kK) {
-      AddRows<kM, kK, kStrip, kRoundFp8, TA, T>(k, j0, width, a, b, acc);
-    }
-    for (; k < k_size; ++k) AddRows<kM, 1, kStrip, kRoundFp8, TA, T>(k, j0, width, a, b, acc);
-    for (int i = 0; i < kM; ++i) {
-      for (int64_t j = 0; j < width; ++j) StoreOut(c, i, j0 + j, acc[i][j], accumulate);
-    }
-  }
-  // The last columns (fewer than one vector), scalar.
-  for (int i = 0; i < kM; ++i) {
-    for (int64_t j = full; j < n; ++j) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < k_size; ++k) {
-        sum = std::fma(ValueAs<TA>(a, i, k), WeightValue<T, kRoundFp8>(b, k, j), sum);
-      }
-      StoreOut(c, i, j, sum, accumulate);
-    }
-  }
+  SumStrips<kM, kStrip, kRoundFp8, TA, T>(
+      n, k_size, a, b, c, accumulate,
+      [&]<int kK>(int64_t k, int64_t j0, int64_t width, float(&acc)[kM][kStrip]) {
+        AddRows<kM, kK, kStrip, kRoundFp8, TA, T>(k, j0, width, a, b, acc);
+      });
 }
 
 // Runs fn.template operator()<kM>() for kM = m, 1 <= m <= kMaxRows.

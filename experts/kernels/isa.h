@@ -52,7 +52,8 @@ Isa ActiveIsa();
 void LimitIsa(Isa isa);
 
 // The CPU's vector flags relevant here, e.g. "avx2 fma avx512f avx512bw
-// avx512vl avx512_bf16 amx_bf16", for logs and benchmark reports.
+// avx512vl avx512_bf16 avx512_vbmi amx_bf16", for logs and benchmark
+// reports (avx512_vbmi: the FP8 lookup tables, internal/fp8_tables.h).
 std::string CpuFlags();
 
 }  // namespace moefit::experts::kernels

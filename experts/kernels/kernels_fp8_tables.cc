@@ -298,8 +298,9 @@ bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, c
       (b.row_stride != 1 && b.col_stride != 1)) {
     return false;
   }
-  // More rows go to the decoder: with few columns at a time (the registers
-  // the tables take), the sums' FMA chains, not decoding, bound the time.
+  // More rows go to the decoder, which measured as fast or faster there
+  // (fp8_tables.h): the tables leave room for few columns at a time, and
+  // their time grows with the rows faster than the multiply-adds do.
   if (m > (b.row_stride == 1 ? kFp8TableRowsKContiguous : kFp8TableRowsNContiguous)) return false;
   thread_local Tables tables;
   const Spread spread = MakeSpread();

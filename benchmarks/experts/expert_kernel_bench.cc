@@ -326,8 +326,9 @@ int main(int argc, char** argv) {
         const double t_kept = TimeIt(fwd_dx_kept, f.seconds);
         // Streamed FP8 rows through the lookup tables: the arithmetic decoder
         // they replace, timed in the same run as their baseline.
-        const bool tables = w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) &&
-                            m <= internal::kFp8TableRowsNContiguous && internal::Fp8TablesUsable();
+        const bool tables =
+            w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) && internal::Fp8TablesUsable() &&
+            m <= std::max(internal::kFp8TableRowsKContiguous, internal::kFp8TableRowsNContiguous);
         double t_decoder = 0, t_decoder_kept = 0;
         if (tables) {
           internal::SetFp8TablesEnabled(false);
@@ -381,6 +382,8 @@ int main(int argc, char** argv) {
       "and its ratio to the same memory floor.\n"
       "fp8-d: the FP8 rows above them again, through the arithmetic decoder instead of\n"
       "the per-block lookup tables (AVX-512 VBMI; the same bits), which take the\n"
-      "forward GEMMs up to 3 rows and the dX ones up to 5.\n");
+      "forward GEMMs up to %lld rows and the dX ones up to %lld.\n",
+      static_cast<long long>(internal::kFp8TableRowsKContiguous),
+      static_cast<long long>(internal::kFp8TableRowsNContiguous));
   return 0;
 }

@@ -437,8 +437,7 @@ TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
 
 // The FP8 lookup tables (internal/fp8_tables.h) against the decoder they
 // stand in for, on the sets that multiply in bfloat16: the same bits for
-// every streamed row count (those they leave to the decoder included), both
-// weight layouts, both activation and output
+// every row count they take (kFp8TableRows*), both weight layouts, both activation and output
 // types, with and without accumulation, at sizes that cut the 64-byte runs,
 // the 16-lane vectors and the 128 x 128 scale blocks short. The bytes take
 // every value (NaN included, in a case of its own, since one NaN makes its
@@ -481,7 +480,9 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
                         transposed ? 1 : sc,
                         transposed ? sc : 1};
         for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
-          for (int64_t m = 1; m <= kMaxStreamedRows; ++m) {
+          const int64_t max_rows =
+              transposed ? internal::kFp8TableRowsKContiguous : internal::kFp8TableRowsNContiguous;
+          for (int64_t m = 1; m <= max_rows; ++m) {
             for (const ElemType out_type : {ElemType::kF32, ElemType::kBF16}) {
               for (const bool accumulate : {false, true}) {
                 SCOPED_TRACE(

@@ -1,6 +1,7 @@
 // FP8 weights streamed through per-block lookup tables, for the kernels that
 // multiply bfloat16 pairs (avx512_bf16, amx_bf16) on CPUs that also have
-// AVX-512 VBMI (Ice Lake and later Intel server cores, AMD Zen 4 and later).
+// AVX-512 VBMI (Sapphire Rapids and later, AMD Zen 4 and later: each CPU with
+// AVX-512 BF16 but Cooper Lake).
 //
 // For a few rows the expert GEMM should run at the speed of reading the
 // weight, and an FP8 weight is half the bytes of a bfloat16 one. But on these
@@ -39,11 +40,10 @@ void SetFp8TablesEnabled(bool enabled);
 inline constexpr int64_t kFp8TableRowsKContiguous = 3;
 inline constexpr int64_t kFp8TableRowsNContiguous = 5;
 
-// The streamed GEMM (see SmallRows in pack_x86.h) for an FP8 B, each element
-// multiplied as bfloat16(e4m3 x scale). Returns false, having done nothing,
-// for the calls SmallRows declines, for a B that is not FP8, and for more
-// rows than above, which the decoder then takes. Only to be called where
-// Fp8TablesUsable().
+// The streamed GEMM for an FP8 B, each element multiplied as bfloat16(e4m3 x
+// scale), for a call that SmallRows<true> (pack_x86.h) takes. Returns false,
+// having done nothing, for a B that is not FP8 and for more rows than above,
+// which the decoder then takes. Only to be called where Fp8TablesUsable().
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate);
 

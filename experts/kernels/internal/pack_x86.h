@@ -526,15 +526,15 @@ inline void DispatchRows(int64_t m, const Fn& fn) {
 template <bool kRoundFp8 = false>
 bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                const Output& c, bool accumulate) {
+  if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
+      (b.row_stride != 1 && b.col_stride != 1)) {
+    return false;
+  }
   if constexpr (kRoundFp8) {
     if (b.type == ElemType::kF8E4M3 && Fp8TablesUsable() &&
         StreamFp8ByTables(m, n, k_size, a, b, c, accumulate)) {
       return true;
     }
-  }
-  if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
-      (b.row_stride != 1 && b.col_stride != 1)) {
-    return false;
   }
   DispatchType(a.type, [&]<ElemType TA>() {
     DispatchType(b.type, [&]<ElemType T>() {

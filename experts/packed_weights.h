@@ -26,7 +26,8 @@
 // Memory: a pack is the weight converted to the kernels' panel format, 4
 // bytes per element in float32 mode (float32 weights, and bfloat16 or FP8
 // weights on AVX2, AVX-512F or portable kernels: 2x a bfloat16 weight, 4x an
-// FP8 one) and 2 bytes in bfloat16-pairs mode (avx512_bf16, amx_bf16), per orientation
+// FP8 one) and 2 bytes in bfloat16-pairs mode (amx_bf16, and avx512_bf16
+// where it multiplies pairs: kernels::MultipliesBf16Pairs), per orientation
 // used (forward and dX: two packs per weight). The cache keeps at most
 // `max_bytes` of packs; a weight whose packs do not fit is packed per call
 // as before (same bits), so memory stays bounded and speed degrades

@@ -205,7 +205,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
              data->num_sequences(), run.seq_len)
       << std::endl;
   if (run.runtime.expert_backend == "grouped") {
-    log << "moefit: expert kernels " << experts::kernels::IsaName(experts::kernels::ActiveIsa())
+    log << "moefit: expert kernels "
+        << experts::kernels::IsaDescription(experts::kernels::ActiveIsa())
         << " (CPU flags: " << experts::kernels::CpuFlags() << ")" << std::endl;
   }
   if (run.runtime.lora.enabled()) {

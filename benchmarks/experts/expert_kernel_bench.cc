@@ -18,7 +18,9 @@
 // each weight packed ahead (a frozen weight's packs are kept across steps).
 // Where the kernels stream FP8 rows through lookup tables (bfloat16-pair sets
 // on CPUs with AVX-512 VBMI), those rows are timed again through the
-// arithmetic decoder the tables replace ("fp8-d").
+// arithmetic decoder the tables replace ("fp8-d"). On avx512_bf16, rows
+// beyond the streamed path are timed again in the form of its blocked path
+// this CPU did not choose ("bf16-w"/"fp8-w" widened, "-p" bfloat16 pairs).
 //
 // Flags: --hidden=2048 --inter=768 --rows=1,16,64,256,1024 --experts=N
 // --isa=simd|all|<name> (default simd: every vector set the CPU has; all adds
@@ -38,6 +40,7 @@
 #include <vector>
 
 #include "experts/kernels/gemm.h"
+#include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
 
@@ -336,6 +339,17 @@ int main(int argc, char** argv) {
           t_decoder_kept = TimeIt(fwd_dx_kept, f.seconds);
           internal::SetFp8TablesEnabled(true);
         }
+        // avx512_bf16's blocked path in the form this CPU did not choose
+        // (bfloat16 pairs or widened to float32, isa.h), packing per call.
+        const bool chosen_pairs = MultipliesBf16Pairs(isa);
+        const bool other_form =
+            isa == Isa::kAvx512Bf16 && w.type != ElemType::kF32 && m > kMaxStreamedRows;
+        double t_other = 0;
+        if (other_form) {
+          internal::SetBf16Pairs(!chosen_pairs);
+          t_other = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
+          internal::SetBf16Pairs(std::nullopt);
+        }
         double t_dw = 0;
         if (w.type != ElemType::kF8E4M3) {  // FP8 weights are frozen: no weight gradients
           t_dw = TimeIt(
@@ -349,28 +363,37 @@ int main(int argc, char** argv) {
         // Forward + dX read each weight twice.
         const double bytes = 2.0 * (3.0 * I * H) * w.gate_up.element_size();
         const double floor_ms = bytes / (bw * 1e9) * 1e3;
-        auto add_line = [&](const char* type, double t_run, double t_run_kept) {
+        auto add_line = [&](const std::string& type, double t_run, double t_run_kept) {
           char line[256];
-          std::snprintf(line, sizeof(line),
-                        "%-12s %-5s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f %9.3f %9.2f\n",
-                        std::string(IsaName(isa)).c_str(), type, static_cast<long long>(m),
-                        t_run * 1e3, t_dw * 1e3, flops / t_run / 1e9, r.t_mm / t_run, floor_ms,
-                        floor_ms / (t_run * 1e3), t_run_kept * 1e3, floor_ms / (t_run_kept * 1e3));
+          const int used = std::snprintf(
+              line, sizeof(line), "%-12s %-6s %6lld %10.3f %10.3f %9.1f %9.2f %12.3f %8.2f",
+              std::string(IsaName(isa)).c_str(), type.c_str(), static_cast<long long>(m),
+              t_run * 1e3, t_dw * 1e3, flops / t_run / 1e9, r.t_mm / t_run, floor_ms,
+              floor_ms / (t_run * 1e3));
+          if (t_run_kept > 0) {
+            std::snprintf(line + used, sizeof(line) - used, " %9.3f %9.2f\n", t_run_kept * 1e3,
+                          floor_ms / (t_run_kept * 1e3));
+          } else {
+            std::snprintf(line + used, sizeof(line) - used, " %9s %9s\n", "-", "-");
+          }
           lines[ri].push_back(line);
         };
         add_line(TypeName(w.type), t, t_kept);
         if (tables) add_line("fp8-d", t_decoder, t_decoder_kept);
+        if (other_form) {
+          add_line(std::string(TypeName(w.type)) + (chosen_pairs ? "-w" : "-p"), t_other, 0);
+        }
       }
     }
   }
-  std::printf("%-12s %-5s %6s %10s %10s %9s %9s %12s %8s %9s %9s\n", "isa", "dtype", "rows",
+  std::printf("%-12s %-6s %6s %10s %10s %9s %9s %12s %8s %9s %9s\n", "isa", "dtype", "rows",
               "fwd+dX ms", "+dW ms", "GFLOP/s", "vs mm", "mem floor ms", "vs mem", "kept ms",
               "kept/mem");
   for (size_t ri = 0; ri < rows.size(); ++ri) {
     for (const std::string& line : lines[ri]) std::fputs(line.c_str(), stdout);
     const Rows& r = rows[ri];
     const double flops = 2.0 * 2 * (r.m * 2 * I * H + r.m * H * I);
-    std::printf("%-12s %-5s %6lld %10.3f %10s %9.1f %9s\n\n", "libtorch mm", "fp32",
+    std::printf("%-12s %-6s %6lld %10.3f %10s %9.1f %9s\n\n", "libtorch mm", "fp32",
                 static_cast<long long>(r.m), r.t_mm * 1e3, "", flops / r.t_mm / 1e9, "1.00");
   }
   std::printf(
@@ -382,8 +405,12 @@ int main(int argc, char** argv) {
       "and its ratio to the same memory floor.\n"
       "fp8-d: the FP8 rows above them again, through the arithmetic decoder instead of\n"
       "the per-block lookup tables (AVX-512 VBMI; the same bits), which take the\n"
-      "forward GEMMs up to %lld rows and the dX ones up to %lld.\n",
+      "forward GEMMs up to %lld rows and the dX ones up to %lld.\n"
+      "bf16-w, fp8-w (bf16-p, fp8-p): on avx512_bf16, the rows above them again with the\n"
+      "weights widened to float32 (multiplied as bfloat16 pairs), the form this CPU did not\n"
+      "choose (%s), packing per call.\n",
       static_cast<long long>(internal::kFp8TableRowsKContiguous),
-      static_cast<long long>(internal::kFp8TableRowsNContiguous));
+      static_cast<long long>(internal::kFp8TableRowsNContiguous),
+      IsaDescription(Isa::kAvx512Bf16).c_str());
   return 0;
 }

@@ -16,6 +16,11 @@
 // --lora_tokens=512 tokens (the other dimensions as above) so that the default
 // run stays short.
 //
+// Where the kernels run avx512_bf16, bfloat16 and FP8 layers are timed again
+// in the form of its blocked path that this CPU did not choose (bfloat16
+// pairs or widened to float32, experts/kernels/isa.h), suffixed _pairs or
+// _widened.
+//
 // Host memory: the expert layers run on moefit's caching host allocator, as
 // `moefit train` runs them (framework/host_allocator.h); --host_allocator=system
 // takes LibTorch's default, which maps and clears fresh pages for every large
@@ -32,11 +37,13 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string>
 #include <tuple>
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
+#include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/isa.h"
 #include "experts/registry.h"
 #include "framework/host_allocator.h"
@@ -63,9 +70,9 @@ void BumpVersions(const ExpertWeights& w) {
 
 // dtype float8_e4m3fn: frozen FP8 weights (block-quantized from the float32
 // ones) with bfloat16 activations, forward + dX only (no weight gradients), so
-// two forwards' FLOPs.
+// two forwards' FLOPs. bf16_pairs holds avx512_bf16 to one form while it runs.
 void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::ScalarType dtype,
-                    BackendOptions options) {
+                    BackendOptions options, std::optional<bool> bf16_pairs) {
   const bool fp8 = dtype == at::kFloat8_e4m3fn;
   ExpertProblem p = MakeExpertProblem(g_shape, fp8 ? at::kBFloat16 : dtype, 0);
   ExpertWeights w{p.gate_up_proj, p.down_proj};
@@ -75,6 +82,7 @@ void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::Scala
     state.SkipWithError(std::string(backend.status().message()).c_str());
     return;
   }
+  kernels::internal::SetBf16Pairs(bf16_pairs);
   for (auto _ : state) {
     // Trainable weights change at every optimizer step: their packed copies
     // (experts/packed_weights.h) are made again in each iteration. Frozen
@@ -87,6 +95,7 @@ void BM_ExpertLayer(benchmark::State& state, std::string backend_name, at::Scala
     benchmark::DoNotOptimize(g.x.data_ptr());
   }
   Record(state, (fp8 ? 2.0 : 3.0) * ExpertForwardFlops(g_shape));
+  kernels::internal::SetBf16Pairs(std::nullopt);
 }
 
 // Full fine-tuning vs LoRA on a frozen base, see the top of the file. The
@@ -175,8 +184,7 @@ class TableReporter : public benchmark::ConsoleReporter {
                 (long)g_shape.num_experts, (long)g_shape.top_k,
                 g_shape.pattern == moefit::experts::RoutingPattern::kSkewed ? "skewed" : "uniform");
     std::printf("CPU flags: %s; expert kernels: %s; host allocator: %s\n",
-                kernels::CpuFlags().c_str(),
-                std::string(kernels::IsaName(kernels::ActiveIsa())).c_str(),
+                kernels::CpuFlags().c_str(), kernels::IsaDescription(kernels::ActiveIsa()).c_str(),
                 g_caching_allocator ? "caching" : "system");
     std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs fp32 GEMM");
     for (const auto& [name, rate] : rates_) {
@@ -247,10 +255,24 @@ int main(int argc, char** argv) {
   for (auto [backend, dtype, dname] : layers) {
     benchmark::RegisterBenchmark((std::string("experts/") + backend + "/" + dname).c_str(),
                                  moefit::experts::BM_ExpertLayer, std::string(backend), dtype,
-                                 moefit::experts::BackendOptions{})
+                                 moefit::experts::BackendOptions{}, std::nullopt)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(1.0);
+  }
+  namespace kernels = moefit::experts::kernels;
+  if (kernels::ActiveIsa() == kernels::Isa::kAvx512Bf16) {
+    const bool other = !kernels::MultipliesBf16Pairs(kernels::Isa::kAvx512Bf16);
+    for (auto [dtype, dname] :
+         {std::pair{at::kBFloat16, "bf16"}, std::pair{at::kFloat8_e4m3fn, "fp8_frozen"}}) {
+      benchmark::RegisterBenchmark(
+          (std::string("experts/grouped/") + dname + (other ? "_pairs" : "_widened")).c_str(),
+          moefit::experts::BM_ExpertLayer, std::string("grouped"), dtype,
+          moefit::experts::BackendOptions{}, other)
+          ->Unit(benchmark::kMillisecond)
+          ->UseRealTime()
+          ->MinTime(1.0);
+    }
   }
   // The grouped backend without its packed weights and fused SwiGLU (each
   // GEMM packs its weight, one scalar SiLU pass): what those two give, in
@@ -259,7 +281,8 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark(
         (std::string("experts/grouped_unpacked_unfused/") + dname).c_str(),
         moefit::experts::BM_ExpertLayer, std::string("grouped"), dtype,
-        moefit::experts::BackendOptions{.packed_weight_bytes = 0, .fused_swiglu = false})
+        moefit::experts::BackendOptions{.packed_weight_bytes = 0, .fused_swiglu = false},
+        std::nullopt)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(1.0);

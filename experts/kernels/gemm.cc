@@ -364,7 +364,8 @@ const PackedKernels& KernelsFor(Isa isa, bool narrow) {
     case Isa::kAmxBf16:
       return narrow ? AmxBf16Kernels() : Avx512F32Kernels();
     case Isa::kAvx512Bf16:
-      return narrow ? Avx512Bf16PairKernels() : Avx512F32Kernels();
+      if (!narrow) return Avx512F32Kernels();
+      return MultipliesBf16Pairs(isa) ? Avx512Bf16PairKernels() : Avx512Bf16WidenedKernels();
     case Isa::kAvx512:
       return Avx512F32Kernels();
     case Isa::kAvx2:

@@ -16,12 +16,13 @@
 //   * One call runs on the calling thread. The expert layer parallelises over
 //     (expert, row block) itself, so that skewed routing keeps every core busy.
 //
-// Numerics: products accumulate in float32. On avx512_bf16, when B is
-// bfloat16 or FP8, A is rounded to bfloat16 (round to nearest even) and FP8 x
-// scale is rounded to bfloat16 as it is packed (and as it is streamed for a
-// few rows, which keep A in float32), so an FP8 weight multiplies exactly as
-// its bfloat16 dequantization; everywhere else every input is converted
-// exactly to float32. The summation order depends on the
+// Numerics: products accumulate in float32. On avx512_bf16 and amx_bf16,
+// when B is bfloat16 or FP8, FP8 x scale is rounded to bfloat16 as it is
+// packed (and as it is streamed for a few rows), so an FP8 weight multiplies
+// exactly as its bfloat16 dequantization; where they multiply bfloat16 pairs
+// (MultipliesBf16Pairs) the blocked path rounds A to bfloat16 (round to
+// nearest even) as well, and the streamed one keeps A in float32.
+// Everywhere else every input is converted exactly to float32. The summation order depends on the
 // instruction set, not on the thread count or on the other rows.
 #pragma once
 
@@ -113,9 +114,9 @@ struct PackedKernels;
 // -- the caller rebuilds the pack when the weights change.
 //
 // Memory: k_size x n rounded up to the microkernel's panels, 4 bytes per
-// element in float32 mode (float32 weights, or any weight on AVX2, AVX-512F
-// and portable kernels) and 2 in bfloat16-pairs mode (bfloat16 or FP8
-// weights on avx512_bf16).
+// element in float32 mode (float32 weights, or any weight on AVX2, AVX-512F,
+// portable and widened avx512_bf16 kernels) and 2 in bfloat16-pairs mode
+// (bfloat16 or FP8 weights where MultipliesBf16Pairs).
 class PackedB {
  public:
   PackedB() = default;

@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 
+#include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 
 namespace moefit::experts::kernels {
@@ -67,6 +69,7 @@ Isa FromEnvironment(Isa detected) {
 
 std::atomic<int> limit{-1};  // -1: not set by LimitIsa
 std::atomic<bool> fp8_tables_enabled{true};
+std::atomic<int> bf16_pairs_forced{-1};  // -1: measured; else 0 / 1 (SetBf16Pairs)
 
 }  // namespace
 
@@ -104,6 +107,35 @@ void LimitIsa(Isa isa) {
                                                                  : static_cast<int>(detected));
 }
 
+double Bf16PairSpeed() {
+  static const double speed = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")
+               ? internal::MeasureBf16PairSpeed()
+               : 0.0;
+  }();
+  return speed;
+}
+
+bool MultipliesBf16Pairs(Isa isa) {
+  if (isa == Isa::kAmxBf16) return true;
+  if (isa != Isa::kAvx512Bf16) return false;
+  const int forced = bf16_pairs_forced.load(std::memory_order_relaxed);
+  return forced >= 0 ? forced == 1 : Bf16PairSpeed() > 1.0;
+}
+
+std::string IsaDescription(Isa isa) {
+  std::string out(IsaName(isa));
+  if (isa != Isa::kAvx512Bf16) return out;
+  char speed[96];
+  std::snprintf(speed, sizeof speed, "vdpbf16ps at %.2fx the FMA's multiply-adds per second",
+                Bf16PairSpeed());
+  return out +
+         (MultipliesBf16Pairs(isa) ? " (bfloat16 pairs: " : " (weights widened to float32: ") +
+         speed + ")";
+}
+
 std::string CpuFlags() {
   __builtin_cpu_init();
   std::string flags;
@@ -137,6 +169,10 @@ bool Fp8TablesUsable() {
 }
 
 void SetFp8TablesEnabled(bool enabled) { fp8_tables_enabled.store(enabled); }
+
+void SetBf16Pairs(std::optional<bool> pairs) {
+  bf16_pairs_forced.store(pairs.has_value() ? static_cast<int>(*pairs) : -1);
+}
 
 }  // namespace internal
 }  // namespace moefit::experts::kernels

@@ -12,7 +12,10 @@
 //   avx512       AVX-512 F/BW/VL, 512-bit fp32 FMAs
 //   avx512_bf16  AVX-512 BF16: bfloat16 weights multiplied with vdpbf16ps
 //                (two bfloat16 products summed into fp32 per lane), the
-//                activations rounded to bfloat16 for it
+//                activations rounded to bfloat16 for it -- or, on CPUs
+//                where that gives fewer multiply-adds per second than
+//                float32 FMAs, the same weight values widened to float32
+//                (MultipliesBf16Pairs)
 //   amx_bf16     AMX-BF16 tiles (Sapphire Rapids and later): bfloat16 weights
 //                multiplied 16 x 16 x 32 at a time with tdpbf16ps, the
 //                activations rounded to bfloat16 as for avx512_bf16; float32
@@ -31,9 +34,28 @@ enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmxBf1
 inline constexpr Isa kAllIsas[] = {Isa::kPortable, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16,
                                    Isa::kAmxBf16};
 
-// Whether `isa` multiplies bfloat16 or FP8 weights in bfloat16 (rounding the
-// activations to bfloat16) rather than converting both to float32.
+// Whether `isa` multiplies bfloat16 and FP8 weights as bfloat16 values (FP8
+// x scale rounded to bfloat16, so an FP8 weight gives the bits of its
+// bfloat16 dequantization) rather than converting FP8 x scale to float32
+// unrounded: the sets from avx512_bf16 up.
 inline bool MultipliesInBf16(Isa isa) { return isa >= Isa::kAvx512Bf16; }
+
+// Whether `isa`'s blocked path (more than a few rows) multiplies bfloat16 and
+// FP8 weights as bfloat16 pairs, rounding the activations to bfloat16 for
+// it: amx_bf16 always; avx512_bf16 where this CPU's vdpbf16ps gives more
+// multiply-adds per second than its float32 FMA (Bf16PairSpeed() > 1), else
+// it widens the weights to float32 and keeps the activations in float32.
+bool MultipliesBf16Pairs(Isa isa);
+
+// vdpbf16ps's multiply-adds per second over float32 FMA's on this CPU,
+// measured once per process on the first call (about 2 ms); 0 on a CPU
+// without AVX-512 BF16. For logs and benchmark reports.
+double Bf16PairSpeed();
+
+// IsaName, and for avx512_bf16 the form it multiplies in, e.g.
+// "avx512_bf16 (weights widened to float32: vdpbf16ps at 0.49x the FMA's
+// multiply-adds per second)": what moefit prints at start-up.
+std::string IsaDescription(Isa isa);
 
 // "portable", "avx2", "avx512", "avx512_bf16", "amx_bf16".
 std::string_view IsaName(Isa isa);

@@ -8,12 +8,15 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
 #include "experts/kernels/gemm.h"
+#include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/isa.h"
 #include "experts/kernels/swiglu.h"
 #include "experts/registry.h"
@@ -501,18 +504,25 @@ TEST(GroupedKernels, EveryInstructionSetMatchesEager) {
 // are cut into segments (one process, or one segment per source rank): the
 // grouped backend gives them bit for bit, for experts with few rows (the
 // streamed GEMM path) and with many (the blocked one), in float32 and
-// bfloat16, on every instruction set the CPU has.
+// bfloat16, on every instruction set the CPU has (avx512_bf16 in both of its
+// forms, bfloat16 pairs and widened).
 TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
   using kernels::Isa;
   // 16 experts, top-2 of 40 tokens, skewed: a few hot experts, many with a
   // handful of rows.
   const ExpertProblemShape shape{"mixed", 40, 72, 40, 16, 2, RoutingPattern::kSkewed};
-  for (Isa isa : {Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16, Isa::kAmxBf16}) {
+  const std::pair<Isa, std::optional<bool>> forms[] = {{Isa::kAvx2, std::nullopt},
+                                                       {Isa::kAvx512, std::nullopt},
+                                                       {Isa::kAvx512Bf16, true},
+                                                       {Isa::kAvx512Bf16, false},
+                                                       {Isa::kAmxBf16, std::nullopt}};
+  for (const auto& [isa, pairs] : forms) {
     if (static_cast<int>(isa) > static_cast<int>(kernels::DetectIsa())) continue;
     kernels::LimitIsa(isa);
+    kernels::internal::SetBf16Pairs(pairs);
     for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
       const std::string what =
-          std::string(kernels::IsaName(isa)) + (dtype == at::kFloat ? " f32" : " bf16");
+          kernels::IsaDescription(isa) + (dtype == at::kFloat ? " f32" : " bf16");
       ExpertProblem p = MakeExpertProblem(shape, dtype, 9);
       const int64_t num_experts = shape.num_experts;
       bool few = false, many = false;
@@ -544,6 +554,7 @@ TEST(GroupedKernels, RowsGiveTheSameBitsHoweverSegmented) {
       EXPECT_TRUE(at::equal(g_seg.x, g.x.index_select(0, idx))) << what;
     }
   }
+  kernels::internal::SetBf16Pairs(std::nullopt);
   kernels::LimitIsa(kernels::DetectIsa());
 }
 

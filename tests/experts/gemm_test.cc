@@ -11,9 +11,11 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
 
@@ -125,14 +127,31 @@ void Check(Isa isa, const Case& c, uint64_t seed) {
   EXPECT_EQ(bad, 0);
 }
 
-class GemmOnIsa : public ::testing::TestWithParam<Isa> {
+// One form of the kernels: an instruction set, and for avx512_bf16 whether
+// its blocked path multiplies bfloat16 pairs or widens the weights to float32
+// (both run wherever the CPU has the set, whichever this CPU would choose).
+struct Form {
+  Isa isa;
+  std::optional<bool> bf16_pairs;
+};
+
+std::string FormName(const Form& f) {
+  std::string name(IsaName(f.isa));
+  if (f.bf16_pairs.has_value()) name += *f.bf16_pairs ? "_pairs" : "_widened";
+  return name;
+}
+
+class GemmOnIsa : public ::testing::TestWithParam<Form> {
  protected:
   void SetUp() override {
-    if (static_cast<int>(GetParam()) > static_cast<int>(DetectIsa())) {
-      GTEST_SKIP() << IsaName(GetParam()) << " is not supported by this CPU (" << CpuFlags()
+    if (static_cast<int>(isa()) > static_cast<int>(DetectIsa())) {
+      GTEST_SKIP() << IsaName(isa()) << " is not supported by this CPU (" << CpuFlags()
                    << "); its kernels run on machines that have it";
     }
+    internal::SetBf16Pairs(GetParam().bf16_pairs);
   }
+  void TearDown() override { internal::SetBf16Pairs(std::nullopt); }
+  Isa isa() const { return GetParam().isa; }
 };
 
 // Every operand type and layout of the expert layer, at shapes that are not
@@ -144,7 +163,7 @@ TEST_P(GemmOnIsa, MatchesFloat64ReferenceOnOddShapes) {
     for (ElemType at_ : {ElemType::kF32, ElemType::kBF16}) {
       for (bool bt_t : {false, true}) {
         for (bool at_t : {false, true}) {
-          Check(GetParam(), {13, 37, 141, at_, bt, at_t, bt_t, ElemType::kF32, false}, seed++);
+          Check(isa(), {13, 37, 141, at_, bt, at_t, bt_t, ElemType::kF32, false}, seed++);
         }
       }
     }
@@ -179,15 +198,15 @@ TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
       {520, 17, 33, ElemType::kF8E4M3, ElemType::kF32, false, false, ElemType::kBF16, false},
   };
   uint64_t seed = 100;
-  for (const Case& c : cases) Check(GetParam(), c, seed++);
+  for (const Case& c : cases) Check(isa(), c, seed++);
 }
 
 TEST_P(GemmOnIsa, EmptyReductionZeroesOrKeeps) {
   at::Tensor out = at::ones({3, 5});
   Operand dummy{out.data_ptr(), ElemType::kF32, 5, 1};
-  Gemm(GetParam(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, true);
+  Gemm(isa(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, true);
   EXPECT_TRUE(at::equal(out, at::ones({3, 5})));
-  Gemm(GetParam(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, false);
+  Gemm(isa(), 3, 5, 0, dummy, dummy, Output{out.data_ptr(), ElemType::kF32, 5}, false);
   EXPECT_TRUE(at::equal(out, at::zeros({3, 5})));
 }
 
@@ -224,25 +243,24 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
   };
   uint64_t seed = 300;
   for (const PackCase& c : cases) {
-    SCOPED_TRACE(Describe(GetParam(), {c.m, c.n, c.k, c.a_type, c.b_type, false, c.b_transposed,
-                                       c.out_type, c.accumulate}));
+    SCOPED_TRACE(Describe(isa(), {c.m, c.n, c.k, c.a_type, c.b_type, false, c.b_transposed,
+                                  c.out_type, c.accumulate}));
     Stored a = MakeOperand(c.m, c.k, c.a_type, false, seed++);
     Stored b = MakeOperand(c.k, c.n, c.b_type, c.b_transposed, seed++);
-    const PackedB packed(GetParam(), c.a_type, c.k, c.n, b.op);
-    EXPECT_EQ(packed.bytes(), PackedB::Bytes(GetParam(), c.a_type, c.k, c.n, c.b_type));
+    const PackedB packed(isa(), c.a_type, c.k, c.n, b.op);
+    EXPECT_EQ(packed.bytes(), PackedB::Bytes(isa(), c.a_type, c.k, c.n, c.b_type));
     at::Tensor prior = at::randn({c.m, c.n}).to(TorchType(c.out_type));
     at::Tensor want = prior.clone(), got = prior.clone();
-    Gemm(GetParam(), c.m, c.n, c.k, a.op, b.op, Output{want.data_ptr(), c.out_type, c.n},
-         c.accumulate, c.path);
-    Gemm(GetParam(), c.m, a.op, packed, Output{got.data_ptr(), c.out_type, c.n}, c.accumulate,
+    Gemm(isa(), c.m, c.n, c.k, a.op, b.op, Output{want.data_ptr(), c.out_type, c.n}, c.accumulate,
          c.path);
+    Gemm(isa(), c.m, a.op, packed, Output{got.data_ptr(), c.out_type, c.n}, c.accumulate, c.path);
     EXPECT_TRUE(at::equal(got, want));
     // The same pack serves an A of another type (through the per-call path).
     if (c.a_type == ElemType::kF32 && c.b_type != ElemType::kF32) {
       Stored a16 = MakeOperand(c.m, c.k, ElemType::kBF16, false, seed++);
-      Gemm(GetParam(), c.m, c.n, c.k, a16.op, b.op, Output{want.data_ptr(), c.out_type, c.n}, false,
+      Gemm(isa(), c.m, c.n, c.k, a16.op, b.op, Output{want.data_ptr(), c.out_type, c.n}, false,
            c.path);
-      Gemm(GetParam(), c.m, a16.op, packed, Output{got.data_ptr(), c.out_type, c.n}, false, c.path);
+      Gemm(isa(), c.m, a16.op, packed, Output{got.data_ptr(), c.out_type, c.n}, false, c.path);
       EXPECT_TRUE(at::equal(got, want));
     }
   }
@@ -273,7 +291,7 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
   uint64_t seed = 500;
   for (const IndexCase& c : cases) {
     SCOPED_TRACE(
-        Describe(GetParam(), {c.m, c.n, c.k, c.type, c.type, c.index_b, false, c.out_type, false}) +
+        Describe(isa(), {c.m, c.n, c.k, c.type, c.type, c.index_b, false, c.out_type, false}) +
         (c.index_b ? " B by index" : " A by index"));
     // The indexed operand's stored rows: fewer than it reads, each read up
     // to three times, in a shuffled order.
@@ -303,21 +321,21 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
     const Output want_out{want.data_ptr(), c.out_type, c.n},
         got_out{got.data_ptr(), c.out_type, c.n};
     if (c.index_b) {
-      Gemm(GetParam(), c.m, c.n, c.k, other.op, plain, want_out, false, c.path);
-      Gemm(GetParam(), c.m, c.n, c.k, other.op, indexed, got_out, false, c.path);
+      Gemm(isa(), c.m, c.n, c.k, other.op, plain, want_out, false, c.path);
+      Gemm(isa(), c.m, c.n, c.k, other.op, indexed, got_out, false, c.path);
       Stored row_major = MakeOperand(c.m, c.k, c.type, false, seed++);
       at::Tensor want_rm = want.clone().zero_(), got_rm = want.clone().zero_();
-      Gemm(GetParam(), c.m, c.n, c.k, row_major.op, plain,
-           Output{want_rm.data_ptr(), c.out_type, c.n}, false, c.path);
-      Gemm(GetParam(), c.m, c.n, c.k, row_major.op, indexed,
-           Output{got_rm.data_ptr(), c.out_type, c.n}, false, c.path);
+      Gemm(isa(), c.m, c.n, c.k, row_major.op, plain, Output{want_rm.data_ptr(), c.out_type, c.n},
+           false, c.path);
+      Gemm(isa(), c.m, c.n, c.k, row_major.op, indexed, Output{got_rm.data_ptr(), c.out_type, c.n},
+           false, c.path);
       EXPECT_TRUE(at::equal(got_rm, want_rm)) << "row-major A";
     } else {
-      Gemm(GetParam(), c.m, c.n, c.k, plain, other.op, want_out, false, c.path);
-      Gemm(GetParam(), c.m, c.n, c.k, indexed, other.op, got_out, false, c.path);
-      const PackedB packed(GetParam(), c.type, c.k, c.n, other.op);
+      Gemm(isa(), c.m, c.n, c.k, plain, other.op, want_out, false, c.path);
+      Gemm(isa(), c.m, c.n, c.k, indexed, other.op, got_out, false, c.path);
+      const PackedB packed(isa(), c.type, c.k, c.n, other.op);
       at::Tensor from_pack = want.clone().zero_();
-      Gemm(GetParam(), c.m, indexed, packed, Output{from_pack.data_ptr(), c.out_type, c.n}, false,
+      Gemm(isa(), c.m, indexed, packed, Output{from_pack.data_ptr(), c.out_type, c.n}, false,
            c.path);
       EXPECT_TRUE(at::equal(from_pack, want));
       // Columns from a panel boundary on (the fused gate/up's blocks).
@@ -325,9 +343,9 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
         const int64_t col0 = 32, cols = c.n - col0;
         at::Tensor part_want = at::zeros({c.m, cols}).to(TorchType(c.out_type));
         at::Tensor part_got = part_want.clone();
-        GemmColumns(GetParam(), c.m, plain, packed, col0, cols,
+        GemmColumns(isa(), c.m, plain, packed, col0, cols,
                     Output{part_want.data_ptr(), c.out_type, cols}, false, c.path);
-        GemmColumns(GetParam(), c.m, indexed, packed, col0, cols,
+        GemmColumns(isa(), c.m, indexed, packed, col0, cols,
                     Output{part_got.data_ptr(), c.out_type, cols}, false, c.path);
         EXPECT_TRUE(at::equal(part_got, part_want)) << "columns from " << col0;
       }
@@ -341,12 +359,11 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
   const int64_t index[4] = {0, 1, 2, 3};
   fp8.op.row_index = index;
   at::Tensor out = at::zeros({4, 8});
-  EXPECT_THROW(
-      Gemm(GetParam(), 4, 8, 4, a.op, fp8.op, Output{out.data_ptr(), ElemType::kF32, 8}, false),
-      c10::Error);
+  EXPECT_THROW(Gemm(isa(), 4, 8, 4, a.op, fp8.op, Output{out.data_ptr(), ElemType::kF32, 8}, false),
+               c10::Error);
   Stored f32 = MakeOperand(4, 8, ElemType::kF32, false, seed++);
   f32.op.row_index = index;
-  EXPECT_THROW(PackedB(GetParam(), ElemType::kF32, 4, 8, f32.op), c10::Error);
+  EXPECT_THROW(PackedB(isa(), ElemType::kF32, 4, 8, f32.op), c10::Error);
 }
 
 // Where the kernels multiply bfloat16 pairs, an FP8 weight is its bfloat16
@@ -376,10 +393,9 @@ TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
                      << " m " << m);
         Stored a = MakeOperand(m, k, a_type, false, 22);
         at::Tensor from_fp8 = at::empty({m, n}), from_bf16 = at::empty({m, n});
-        Gemm(GetParam(), m, n, k, a.op, w.op, Output{from_fp8.data_ptr(), ElemType::kF32, n},
-             false);
-        Gemm(GetParam(), m, n, k, a.op, d, Output{from_bf16.data_ptr(), ElemType::kF32, n}, false);
-        if (MultipliesInBf16(GetParam())) {
+        Gemm(isa(), m, n, k, a.op, w.op, Output{from_fp8.data_ptr(), ElemType::kF32, n}, false);
+        Gemm(isa(), m, n, k, a.op, d, Output{from_bf16.data_ptr(), ElemType::kF32, n}, false);
+        if (MultipliesInBf16(isa())) {
           EXPECT_TRUE(at::equal(from_fp8, from_bf16));
         } else {
           EXPECT_FALSE(at::equal(from_fp8, from_bf16));  // float32 x scale, unrounded
@@ -573,6 +589,100 @@ TEST(Gemm, Bfloat16OutputRoundsAsC10) {
   }
 }
 
+// avx512_bf16's widened form is the avx512 kernels on the weights' bfloat16
+// values: the bits of avx512 multiplying the bfloat16 weight itself, or an
+// FP8 weight's bfloat16 dequantization, on the blocked path (packed per call
+// and packed ahead), for both weight layouts, both activation and output
+// types, with and without accumulation, over several k, m and scale blocks.
+TEST(Gemm, WidenedAvx512Bf16GivesTheBitsOfAvx512OnBfloat16Values) {
+  if (static_cast<int>(DetectIsa()) < static_cast<int>(Isa::kAvx512Bf16)) {
+    GTEST_SKIP() << "no AVX-512 BF16 on this CPU (" << CpuFlags()
+                 << "); the widened kernels run on CPUs that have it";
+  }
+  internal::SetBf16Pairs(false);
+  const int64_t k = 300, n = 260;
+  int64_t compared = 0;
+  for (const ElemType w_type : {ElemType::kBF16, ElemType::kF8E4M3}) {
+    for (const bool transposed : {true, false}) {
+      Stored w = MakeOperand(k, n, w_type, transposed, 41);
+      at::Tensor values = w.data;  // the bfloat16 values the widened kernels multiply
+      if (w_type == ElemType::kF8E4M3) {
+        const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
+                                    .repeat_interleave(kScaleBlock, 1)
+                                    .narrow(0, 0, w.data.size(0))
+                                    .narrow(1, 0, w.data.size(1));
+        values = (w.data.to(at::kFloat) * full).to(at::kBFloat16).contiguous();
+      }
+      Operand v = w.op;
+      v.type = ElemType::kBF16;
+      v.data = values.data_ptr();
+      v.scales = nullptr;
+      for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
+        const PackedB packed(Isa::kAvx512Bf16, a_type, k, n, w.op);
+        for (const int64_t m : {9, 40, 130}) {
+          for (const ElemType out_type : {ElemType::kF32, ElemType::kBF16}) {
+            for (const bool accumulate : {false, true}) {
+              SCOPED_TRACE(::testing::Message()
+                           << (w_type == ElemType::kBF16 ? "bf16" : "f8") << " Wᵀ " << transposed
+                           << " A " << (a_type == ElemType::kF32 ? "f32" : "bf16") << " m " << m
+                           << " out " << (out_type == ElemType::kF32 ? "f32" : "bf16")
+                           << " +=" << accumulate);
+              Stored a = MakeOperand(m, k, a_type, false, 42 + m);
+              const at::Tensor prior = at::randn({m, n}).to(TorchType(out_type));
+              at::Tensor widened = prior.clone(), ahead = prior.clone(), ref = prior.clone();
+              Gemm(Isa::kAvx512Bf16, m, n, k, a.op, w.op, Output{widened.data_ptr(), out_type, n},
+                   accumulate, RowPath::kBlocked);
+              Gemm(Isa::kAvx512Bf16, m, a.op, packed, Output{ahead.data_ptr(), out_type, n},
+                   accumulate, RowPath::kBlocked);
+              Gemm(Isa::kAvx512, m, n, k, a.op, v, Output{ref.data_ptr(), out_type, n}, accumulate,
+                   RowPath::kBlocked);
+              EXPECT_EQ(std::memcmp(widened.data_ptr(), ref.data_ptr(), ref.nbytes()), 0);
+              EXPECT_EQ(std::memcmp(ahead.data_ptr(), ref.data_ptr(), ref.nbytes()), 0);
+              ++compared;
+            }
+          }
+        }
+      }
+    }
+  }
+  internal::SetBf16Pairs(std::nullopt);
+  EXPECT_EQ(compared, 2 * 2 * 2 * 3 * 2 * 2);
+}
+
+// avx512_bf16 multiplies in bfloat16 pairs where this CPU's vdpbf16ps gives
+// more multiply-adds per second than its float32 FMA, as measured once; the
+// measurement is stable enough that every process on a machine chooses
+// alike; SetBf16Pairs holds either form; the other sets are fixed.
+TEST(Isa, Avx512Bf16MultipliesInPairsWhereTheyAreFaster) {
+  EXPECT_TRUE(MultipliesBf16Pairs(Isa::kAmxBf16));
+  EXPECT_FALSE(MultipliesBf16Pairs(Isa::kAvx512));
+  EXPECT_FALSE(MultipliesBf16Pairs(Isa::kAvx2));
+  if (static_cast<int>(DetectIsa()) < static_cast<int>(Isa::kAvx512Bf16)) {
+    EXPECT_EQ(Bf16PairSpeed(), 0.0);
+    GTEST_SKIP() << "no AVX-512 BF16 on this CPU (" << CpuFlags() << ")";
+  }
+  const double speed = Bf16PairSpeed();
+  EXPECT_GT(speed, 0.1);
+  EXPECT_LT(speed, 10.0);
+  EXPECT_EQ(Bf16PairSpeed(), speed);  // measured once per process
+  const double again = internal::MeasureBf16PairSpeed();
+  EXPECT_GT(again, speed / 1.5);
+  EXPECT_LT(again, speed * 1.5);
+  EXPECT_EQ(MultipliesBf16Pairs(Isa::kAvx512Bf16), speed > 1.0);
+  EXPECT_NE(IsaDescription(Isa::kAvx512Bf16).find(speed > 1.0 ? "pairs" : "widened"),
+            std::string::npos)
+      << IsaDescription(Isa::kAvx512Bf16);
+  internal::SetBf16Pairs(true);
+  EXPECT_TRUE(MultipliesBf16Pairs(Isa::kAvx512Bf16));
+  EXPECT_NE(IsaDescription(Isa::kAvx512Bf16).find("pairs"), std::string::npos);
+  internal::SetBf16Pairs(false);
+  EXPECT_FALSE(MultipliesBf16Pairs(Isa::kAvx512Bf16));
+  EXPECT_NE(IsaDescription(Isa::kAvx512Bf16).find("widened"), std::string::npos);
+  internal::SetBf16Pairs(std::nullopt);
+  EXPECT_EQ(MultipliesBf16Pairs(Isa::kAvx512Bf16), speed > 1.0);
+  EXPECT_EQ(IsaDescription(Isa::kAvx512), "avx512");
+}
+
 TEST(Isa, LimitHoldsTheKernelsNarrower) {
   const Isa before = ActiveIsa();
   LimitIsa(Isa::kPortable);
@@ -597,9 +707,12 @@ TEST(Isa, AmxWhereTheCpuAndTheOsAllowIt) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, GemmOnIsa, ::testing::ValuesIn(kAllIsas),
-                         [](const ::testing::TestParamInfo<Isa>& info) {
-                           return std::string(IsaName(info.param));
+INSTANTIATE_TEST_SUITE_P(All, GemmOnIsa,
+                         ::testing::Values(Form{Isa::kPortable}, Form{Isa::kAvx2},
+                                           Form{Isa::kAvx512}, Form{Isa::kAvx512Bf16, true},
+                                           Form{Isa::kAvx512Bf16, false}, Form{Isa::kAmxBf16}),
+                         [](const ::testing::TestParamInfo<Form>& info) {
+                           return FormName(info.param);
                          });
 
 }  // namespace

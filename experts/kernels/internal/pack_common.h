@@ -206,8 +206,9 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
 }
 
 // Generic B packing: k [k0, k0 + k_size) x columns [n0, n0 + n_size) into
-// panels of kNr columns.
-template <int kNr, bool kPairs>
+// panels of kNr columns. Float32 panels with kRoundFp8 hold FP8 x scale
+// rounded to bfloat16 (as pairs panels hold every element).
+template <int kNr, bool kPairs, bool kRoundFp8 = false>
 void PackBGeneric(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size,
                   void* out) {
   const int64_t panels = (n_size + kNr - 1) / kNr;
@@ -226,7 +227,9 @@ void PackBGeneric(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int6
         } else {
           float* o = static_cast<float*>(out) + p * k_size * kNr + j;
           for (int64_t k = 0; k < k_size; ++k) {
-            o[k * kNr] = col < n_size ? ValueAs<T>(b, k0 + k, n0 + col) : 0.0f;
+            float v = col < n_size ? ValueAs<T>(b, k0 + k, n0 + col) : 0.0f;
+            if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) v = Bf16ToF32(F32ToBf16(v));
+            o[k * kNr] = v;
           }
         }
       }

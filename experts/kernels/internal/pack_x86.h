@@ -203,18 +203,24 @@ inline VecF LoadScaledF(const void* data, int64_t idx, float s) {
 }
 
 // Float32 B panels of kNr columns (see packed_kernels.h), vectorised for the
-// two layouts above.
-template <int kNr>
+// two layouts above; with kRoundFp8, FP8 x scale rounded to bfloat16 (the
+// bfloat16 sets' weight values, widened).
+template <int kNr, bool kRoundFp8 = false>
 void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size, void* out) {
   static_assert(kNr % kVl == 0);
   const int64_t panels = (n_size + kNr - 1) / kNr;
   DispatchType(b.type, [&]<ElemType T>() {
+    auto load = [&](int64_t idx, float s) {
+      VecF w = LoadScaledF<T>(b.data, idx, s);
+      if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) w = RoundBf16F(w);
+      return w;
+    };
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t col0 = n0 + p * kNr;
       const int64_t cols = MinI(kNr, n_size - p * kNr);
       float* o = static_cast<float*>(out) + p * k_size * kNr;
       if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1)) {
-        PackBGeneric<kNr, false>(b, k0, k_size, col0, cols, o);
+        PackBGeneric<kNr, false, kRoundFp8>(b, k0, k_size, col0, cols, o);
         continue;
       }
       // A panel lies inside one 128-column scale block (128 % kNr == 0).
@@ -222,8 +228,7 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
         for (int64_t k = 0; k < k_size; ++k) {
           const int64_t base = (k0 + k) * b.row_stride + col0;
           const float s = Scale<T>(b, k0 + k, col0);
-          for (int v = 0; v < kNr; v += kVl)
-            StoreF(o + k * kNr + v, LoadScaledF<T>(b.data, base + v, s));
+          for (int v = 0; v < kNr; v += kVl) StoreF(o + k * kNr + v, load(base + v, s));
         }
         continue;
       }
@@ -236,13 +241,14 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
           const float s = Scale<T>(b, k0 + k, col0 + v);
           VecF r[kVl];
           for (int j = 0; j < kVl; ++j) {
-            r[j] = LoadScaledF<T>(b.data, (col0 + v + j) * b.col_stride + k0 + k, s);
+            r[j] = load((col0 + v + j) * b.col_stride + k0 + k, s);
           }
           Transpose(r);
           for (int t = 0; t < kVl; ++t) StoreF(o + (k + t) * kNr + v, r[t]);
         }
       }
-      if (k < k_size) PackBGeneric<kNr, false>(b, k0 + k, k_size - k, col0, kNr, o + k * kNr);
+      if (k < k_size)
+        PackBGeneric<kNr, false, kRoundFp8>(b, k0 + k, k_size - k, col0, kNr, o + k * kNr);
     }
   });
 }

@@ -74,10 +74,13 @@ const PackedKernels& PortableF32Kernels();
 const PackedKernels& Avx2F32Kernels();
 const PackedKernels& Avx512F32Kernels();
 const PackedKernels& Avx512Bf16PairKernels();
+const PackedKernels& Avx512Bf16WidenedKernels();
 const PackedKernels& AmxBf16Kernels();
 
-// The kernels `isa` multiplies with: its bfloat16-pairs kernels when
-// `narrow` (a bfloat16 or FP8 operand) and it has them, else its float32 ones.
+// The kernels `isa` multiplies with: when `narrow` (a bfloat16 or FP8
+// operand), its bfloat16-pairs kernels where it multiplies in pairs
+// (MultipliesBf16Pairs), avx512_bf16's widened ones where it does not; else
+// its float32 ones.
 const PackedKernels& KernelsFor(Isa isa, bool narrow);
 
 }  // namespace moefit::experts::kernels::internal

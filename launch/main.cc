@@ -146,7 +146,9 @@ std::string Usage() {
          ").\n"
          "environment: MOEFIT_NUM_THREADS sets the CPU threads of this process;\n"
          "      MOEFIT_CPU_ISA (portable, avx2, avx512, avx512_bf16, amx_bf16) caps the\n"
-         "      instruction set of the expert kernels (default: the widest this CPU has);\n"
+         "      instruction set of the expert kernels (default: the widest this CPU has;\n"
+         "      avx512_bf16 widens bfloat16 weights to float32 where this CPU's vdpbf16ps\n"
+         "      is slower, as `moefit train` prints);\n"
          "      MOEFIT_HOST_ALLOCATOR=system takes LibTorch's default host allocator instead\n"
          "      of moefit's caching one.\n"
          "exit codes: 0 ok, 1 runtime failure, 2 bad input, 3 does not fit (plan),\n"
@@ -363,7 +365,9 @@ int Main(int argc, char** argv) {
     return kExitBadInput;
   }
   try {
-    experts::kernels::ActiveIsa();  // a bad MOEFIT_CPU_ISA is bad input
+    // A bad MOEFIT_CPU_ISA is bad input. On avx512_bf16 the form of its
+    // kernels is measured here, on one thread, before any pool runs.
+    experts::kernels::MultipliesBf16Pairs(experts::kernels::ActiveIsa());
   } catch (const c10::Error& e) {
     std::cerr << "moefit: " << e.what_without_backtrace() << std::endl;
     return kExitBadInput;

@@ -96,6 +96,28 @@ float FromBf16(uint16_t b) {
   return static_cast<float>(c10::BFloat16(b, c10::BFloat16::from_bits()));
 }
 
+// Rows [i, ...) of A and of C: the operands of a chunk of rows that starts at
+// row i (with FP8 A, i is a multiple of the scale block).
+Operand RowsFrom(const Operand& a, int64_t i) {
+  Operand rows = a;
+  if (a.row_index != nullptr) {
+    rows.row_index = a.row_index + i;
+  } else {
+    rows.data = static_cast<const char*>(a.data) + i * a.row_stride * ElementBytes(a.type);
+  }
+  if (a.type == ElemType::kF8E4M3) {
+    TORCH_CHECK(i % kScaleBlock == 0, "Gemm: row chunks must align with the FP8 scale blocks");
+    rows.scales = a.scales + (i / kScaleBlock) * a.scale_row_stride;
+  }
+  return rows;
+}
+
+Output RowsFrom(const Output& c, int64_t i) {
+  Output rows = c;
+  rows.data = static_cast<char*>(c.data) + i * c.row_stride * ElementBytes(c.type);
+  return rows;
+}
+
 void CheckOperand(const Operand& op, const char* name) {
   TORCH_CHECK(op.data != nullptr, "Gemm: operand ", name, " has no data");
   TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.scales != nullptr, "Gemm: FP8 operand ", name,
@@ -223,20 +245,8 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   // chunk this tall amortizes).
   if (c.type != ElemType::kF32 && m > kMaxBufferedRows) {
     for (int64_t i = 0; i < m; i += kMaxBufferedRows) {
-      const int64_t rows = std::min(kMaxBufferedRows, m - i);
-      Operand a_rows = a;
-      if (a.row_index != nullptr) {
-        a_rows.row_index = a.row_index + i;
-      } else {
-        a_rows.data = static_cast<const char*>(a.data) + i * a.row_stride * ElementBytes(a.type);
-      }
-      if (a.type == ElemType::kF8E4M3) {
-        TORCH_CHECK(i % kScaleBlock == 0, "Gemm: row chunks must align with the FP8 scale blocks");
-        a_rows.scales = a.scales + (i / kScaleBlock) * a.scale_row_stride;
-      }
-      Output c_rows = c;
-      c_rows.data = static_cast<char*>(c.data) + i * c.row_stride * ElementBytes(c.type);
-      Gemm(isa, rows, n, k_size, a_rows, b, c_rows, accumulate, RowPath::kBlocked);
+      Gemm(isa, std::min(kMaxBufferedRows, m - i), n, k_size, RowsFrom(a, i), b, RowsFrom(c, i),
+           accumulate, RowPath::kBlocked);
     }
     return;
   }
@@ -326,12 +336,10 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
   const bool streamed =
       path == RowPath::kStreamed || (path == RowPath::kAuto && m <= kMaxStreamedRows);
   // Where the pack does not serve this call, the unpacked GEMM does (the
-  // same bits): another instruction set or A type, the streamed path, a
-  // bfloat16 output taken in row chunks, columns off the panel grid, or
-  // nothing to multiply.
+  // same bits): another instruction set or A type, the streamed path,
+  // columns off the panel grid, or nothing to multiply.
   if (isa != b.isa_ || a.type != b.a_type_ || &Select(isa, a, b.source_) != b.kern_ || streamed ||
-      m == 0 || num_cols == 0 || k_size == 0 || col0 % b.kern_->nr != 0 ||
-      (c.type != ElemType::kF32 && m > kMaxBufferedRows)) {
+      m == 0 || num_cols == 0 || k_size == 0 || col0 % b.kern_->nr != 0) {
     Operand src = b.source_;
     if (col0 > 0) {
       src.data =
@@ -348,6 +356,15 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
               "Gemm: the output is float32 or bfloat16");
   TORCH_CHECK(c.data != nullptr, "Gemm: output has no data");
   CheckOperand(a, "A");
+  // A bfloat16 output in the row chunks the unpacked GEMM takes (the same
+  // bits), each multiplied by the pack.
+  if (c.type != ElemType::kF32 && m > kMaxBufferedRows) {
+    for (int64_t i = 0; i < m; i += kMaxBufferedRows) {
+      GemmColumns(isa, std::min(kMaxBufferedRows, m - i), RowsFrom(a, i), b, col0, num_cols,
+                  RowsFrom(c, i), accumulate, RowPath::kBlocked);
+    }
+    return;
+  }
   const PackedKernels& kern = *b.kern_;
   const int64_t nr = kern.nr;
   Blocked(kern, m, num_cols, k_size, a, c, accumulate,

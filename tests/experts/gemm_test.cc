@@ -266,6 +266,45 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
   }
 }
 
+// A bfloat16 output taller than the rows the driver buffers at a time (256)
+// is multiplied by the pack itself, chunk by chunk: after the source weight
+// is overwritten, the packed GEMM still gives the bits of the original
+// product (every chunk, the last one a single row), from every B type,
+// added to C or not, all columns or some.
+TEST_P(GemmOnIsa, PackedBServesTallBfloat16Outputs) {
+  // Columns [c0, n) alone too: a whole FP8 scale block in, a panel wide.
+  const int64_t m = 513, k = 70, n = 160, c0 = 128;
+  uint64_t seed = 500;
+  for (const ElemType b_type : {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3}) {
+    for (const bool accumulate : {false, true}) {
+      SCOPED_TRACE(Describe(
+          isa(), {m, n, k, ElemType::kBF16, b_type, false, true, ElemType::kBF16, accumulate}));
+      Stored a = MakeOperand(m, k, ElemType::kBF16, false, seed++);
+      Stored b = MakeOperand(k, n, b_type, true, seed++);
+      const PackedB packed(isa(), ElemType::kBF16, k, n, b.op);
+      const at::Tensor prior = at::randn({m, n}).to(at::kBFloat16);
+      at::Tensor want = prior.clone(), want_cols = prior.clone();
+      Gemm(isa(), m, n, k, a.op, b.op, Output{want.data_ptr(), ElemType::kBF16, n}, accumulate,
+           RowPath::kBlocked);
+      Operand cols = b.op;
+      cols.data = static_cast<const char*>(b.op.data) +
+                  c0 * b.op.col_stride * static_cast<int64_t>(b.data.element_size());
+      if (b_type == ElemType::kF8E4M3) cols.scales += (c0 / kScaleBlock) * b.op.scale_col_stride;
+      Gemm(isa(), m, n - c0, k, a.op, cols,
+           Output{static_cast<uint16_t*>(want_cols.data_ptr()) + c0, ElemType::kBF16, n},
+           accumulate, RowPath::kBlocked);
+      b.data.zero_();
+      at::Tensor got = prior.clone(), got_cols = prior.clone();
+      Gemm(isa(), m, a.op, packed, Output{got.data_ptr(), ElemType::kBF16, n}, accumulate);
+      GemmColumns(isa(), m, a.op, packed, c0, n - c0,
+                  Output{static_cast<uint16_t*>(got_cols.data_ptr()) + c0, ElemType::kBF16, n},
+                  accumulate);
+      EXPECT_TRUE(at::equal(got, want));
+      EXPECT_TRUE(at::equal(got_cols, want_cols));
+    }
+  }
+}
+
 // An operand read by row index (rows repeated, out of order) gives the bits
 // of the same rows copied out one after another: as A on the streamed and
 // blocked paths, through a packed B, in the row chunks of a tall bfloat16

@@ -5,11 +5,11 @@
 //     two bfloat16 pairs per 32-bit lane and adds both products to a float32
 //     accumulator -- twice the multiply-adds of a float32 FMA per
 //     instruction. A is rounded to bfloat16 as it is packed, FP8 x scale too.
-//   * widened: the weights' bfloat16 values (FP8 x scale rounded to bfloat16,
-//     as above) widened exactly to float32 as they are packed and multiplied
-//     by the float32 microkernel, A kept in float32. Where vdpbf16ps issues at
-//     a quarter of the FMA's rate (an Emerald Rapids Xeon without AMX: half
-//     the multiply-adds per second), this is twice as fast.
+//   * widened: the avx512 kernels, packing the weights' bfloat16 values (FP8
+//     x scale rounded to bfloat16, as above) widened exactly to float32, A
+//     kept in float32. Where vdpbf16ps issues at a quarter of the FMA's rate
+//     (an Emerald Rapids Xeon without AMX), this does twice the
+//     multiply-adds per second.
 // Both stream a few rows of A the same way (SmallRows<true>), so an FP8
 // weight multiplies as its bfloat16 dequantization in either form.
 #include <algorithm>
@@ -21,7 +21,6 @@
 #define MOEFIT_PACK_WIDTH 16
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/bf16_rows_avx512.h"
-#include "experts/kernels/internal/micro_f32_avx512.h"
 #include "experts/kernels/internal/pack_pairs_avx512.h"
 #include "experts/kernels/internal/packed_kernels.h"
 #include "experts/kernels/internal/swiglu_avx2.h"
@@ -135,20 +134,13 @@ const PackedKernels& Avx512Bf16PairKernels() {
 }
 
 const PackedKernels& Avx512Bf16WidenedKernels() {
-  static const PackedKernels k{"avx512_bf16 (widened)",
-                               kMrF32Avx512,
-                               kNrF32Avx512,
-                               /*kb=*/256,
-                               /*nb=*/2048,
-                               /*mb=*/96,
-                               /*pairs=*/false,
-                               &PackAF32<kMrF32Avx512>,
-                               &PackBF32<kNrF32Avx512, /*kRoundFp8=*/true>,
-                               &MicroF32Avx512,
-                               &SmallRows</*kRoundFp8=*/true>,
-                               &SiluMulAvx2,
-                               &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx512};
+  static const PackedKernels k = [] {
+    PackedKernels widened = Avx512F32Kernels();
+    widened.name = "avx512_bf16 (widened)";
+    widened.pack_b = &PackBF32<kAvx512F32Nr, /*kRoundFp8=*/true>;
+    widened.small_rows = &SmallRows</*kRoundFp8=*/true>;
+    return widened;
+  }();
   return k;
 }
 

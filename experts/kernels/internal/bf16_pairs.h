@@ -1,6 +1,6 @@
 // How the avx512_bf16 kernels multiply bfloat16 and FP8 weights in their
 // blocked path: as bfloat16 pairs (vdpbf16ps) or widened to float32 (the
-// float32 microkernel). vdpbf16ps does twice a float32 FMA's multiply-adds
+// avx512 kernels). vdpbf16ps does twice a float32 FMA's multiply-adds
 // per instruction, but not every CPU issues it as often: on an AMD Zen 5
 // bfloat16 weights ran 1.7x as fast through it as widened to float32, while
 // an Emerald Rapids Xeon without AMX issued it at a quarter of the FMA's rate

@@ -70,6 +70,11 @@ inline int64_t PanelSlots(const PackedKernels& kern, int64_t kb) {
   return (kp + kern.k_pad_pairs - 1) / kern.k_pad_pairs * kern.k_pad_pairs;
 }
 
+// The avx512 float32 microkernel's tile (kernels_avx512.cc), whose panels
+// avx512_bf16's widened kernels pack too.
+inline constexpr int kAvx512F32Mr = 12;
+inline constexpr int kAvx512F32Nr = 32;
+
 const PackedKernels& PortableF32Kernels();
 const PackedKernels& Avx2F32Kernels();
 const PackedKernels& Avx512F32Kernels();

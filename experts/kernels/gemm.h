@@ -22,8 +22,9 @@
 // exactly as its bfloat16 dequantization; where they multiply bfloat16 pairs
 // (MultipliesBf16Pairs) the blocked path rounds A to bfloat16 (round to
 // nearest even) as well, and the streamed one keeps A in float32.
-// Everywhere else every input is converted exactly to float32. The summation order depends on the
-// instruction set, not on the thread count or on the other rows.
+// Everywhere else every input is converted exactly to float32. The summation
+// order depends on the instruction set, not on the thread count or on the
+// other rows.
 #pragma once
 
 #include <cstdint>

@@ -108,13 +108,9 @@ void LimitIsa(Isa isa) {
 }
 
 double Bf16PairSpeed() {
-  static const double speed = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16")
-               ? internal::MeasureBf16PairSpeed()
-               : 0.0;
-  }();
+  static const double speed = static_cast<int>(DetectIsa()) >= static_cast<int>(Isa::kAvx512Bf16)
+                                  ? internal::MeasureBf16PairSpeed()
+                                  : 0.0;
   return speed;
 }
 

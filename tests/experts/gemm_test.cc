@@ -65,6 +65,25 @@ Stored MakeOperand(int64_t rows, int64_t cols, ElemType type, bool transposed, u
   return s;
 }
 
+// An FP8 operand's bfloat16 dequantization (FP8 x block scale rounded once),
+// laid out as the FP8 one: `values` holds it, `op` reads it.
+struct Dequantized {
+  at::Tensor values;
+  Operand op;
+};
+
+Dequantized Bf16Dequantization(const Stored& w) {
+  const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
+                              .repeat_interleave(kScaleBlock, 1)
+                              .narrow(0, 0, w.data.size(0))
+                              .narrow(1, 0, w.data.size(1));
+  Dequantized d{(w.data.to(at::kFloat) * full).to(at::kBFloat16).contiguous(), w.op};
+  d.op.type = ElemType::kBF16;
+  d.op.data = d.values.data_ptr();
+  d.op.scales = nullptr;
+  return d;
+}
+
 struct Case {
   int64_t m, n, k;
   ElemType a_type, b_type;
@@ -415,16 +434,8 @@ TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
   const int64_t n = 300, k = 260;  // partial scale blocks both ways
   for (const bool transposed : {true, false}) {
     Stored w = MakeOperand(k, n, ElemType::kF8E4M3, transposed, 21);
-    // The dequantized weight, laid out as the FP8 one.
-    const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
-                                .repeat_interleave(kScaleBlock, 1)
-                                .narrow(0, 0, w.data.size(0))
-                                .narrow(1, 0, w.data.size(1));
-    const at::Tensor deq = (w.data.to(at::kFloat) * full).to(at::kBFloat16).contiguous();
-    Operand d = w.op;
-    d.type = ElemType::kBF16;
-    d.data = deq.data_ptr();
-    d.scales = nullptr;
+    const Dequantized deq = Bf16Dequantization(w);
+    const Operand& d = deq.op;
     for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
       for (const int64_t m : {1, 5, 8, 9, 40}) {
         SCOPED_TRACE(::testing::Message()
@@ -644,18 +655,10 @@ TEST(Gemm, WidenedAvx512Bf16GivesTheBitsOfAvx512OnBfloat16Values) {
   for (const ElemType w_type : {ElemType::kBF16, ElemType::kF8E4M3}) {
     for (const bool transposed : {true, false}) {
       Stored w = MakeOperand(k, n, w_type, transposed, 41);
-      at::Tensor values = w.data;  // the bfloat16 values the widened kernels multiply
-      if (w_type == ElemType::kF8E4M3) {
-        const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
-                                    .repeat_interleave(kScaleBlock, 1)
-                                    .narrow(0, 0, w.data.size(0))
-                                    .narrow(1, 0, w.data.size(1));
-        values = (w.data.to(at::kFloat) * full).to(at::kBFloat16).contiguous();
-      }
-      Operand v = w.op;
-      v.type = ElemType::kBF16;
-      v.data = values.data_ptr();
-      v.scales = nullptr;
+      // The bfloat16 values the widened kernels multiply.
+      const Dequantized deq =
+          w_type == ElemType::kF8E4M3 ? Bf16Dequantization(w) : Dequantized{w.data, w.op};
+      const Operand& v = deq.op;
       for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
         const PackedB packed(Isa::kAvx512Bf16, a_type, k, n, w.op);
         for (const int64_t m : {9, 40, 130}) {

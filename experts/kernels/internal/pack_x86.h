@@ -202,19 +202,24 @@ inline VecF LoadScaledF(const void* data, int64_t idx, float s) {
   }
 }
 
+// kVl consecutive weight elements as float32 (times s for FP8), FP8 x s
+// rounded to bfloat16 with kRoundFp8: the weight values of the sets that
+// multiply bfloat16 (avx512_bf16, amx_bf16), widened.
+template <ElemType T, bool kRoundFp8>
+inline VecF LoadWeightF(const void* data, int64_t idx, float s) {
+  VecF w = LoadScaledF<T>(data, idx, s);
+  if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) w = RoundBf16F(w);
+  return w;
+}
+
 // Float32 B panels of kNr columns (see packed_kernels.h), vectorised for the
-// two layouts above; with kRoundFp8, FP8 x scale rounded to bfloat16 (the
-// bfloat16 sets' weight values, widened).
+// two layouts above; with kRoundFp8, FP8 x scale rounded to bfloat16.
 template <int kNr, bool kRoundFp8 = false>
 void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size, void* out) {
   static_assert(kNr % kVl == 0);
   const int64_t panels = (n_size + kNr - 1) / kNr;
   DispatchType(b.type, [&]<ElemType T>() {
-    auto load = [&](int64_t idx, float s) {
-      VecF w = LoadScaledF<T>(b.data, idx, s);
-      if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) w = RoundBf16F(w);
-      return w;
-    };
+    auto load = [&](int64_t idx, float s) { return LoadWeightF<T, kRoundFp8>(b.data, idx, s); };
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t col0 = n0 + p * kNr;
       const int64_t cols = MinI(kNr, n_size - p * kNr);
@@ -343,13 +348,7 @@ inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumu
 // float32: FP8 x scale rounded to bfloat16 with kRoundFp8.
 template <ElemType T, bool kRoundFp8>
 inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
-  if constexpr (T != ElemType::kF8E4M3) {
-    return LoadF<T>(b.data, idx);
-  } else {
-    VecF w = LoadF8(b.data, idx, Scale<T>(b, k, j));
-    if constexpr (kRoundFp8) w = RoundBf16F(w);
-    return w;
-  }
+  return LoadWeightF<T, kRoundFp8>(b.data, idx, Scale<T>(b, k, j));
 }
 template <ElemType T, bool kRoundFp8>
 inline float WeightValue(const Operand& b, int64_t k, int64_t j) {

@@ -95,8 +95,9 @@ struct BackendOptions {
   // calls (see packed_weights.h): each weight is packed once per change
   // instead of on every GEMM. Up to two packs per weight (forward and dX
   // orientations), each the weight's size in float32 (half that for
-  // bfloat16 or FP8 weights where the kernels multiply bfloat16 pairs:
-  // kernels::MultipliesBf16Pairs); weights beyond the budget are
+  // bfloat16 weights where the kernels multiply bfloat16 pairs:
+  // kernels::MultipliesBf16Pairs; there an FP8 weight's pack takes a byte
+  // per value, kernels::PackedB); weights beyond the budget are
   // packed per call. 0: never kept.
   int64_t packed_weight_bytes = int64_t{2} << 30;
   // SwiGLU fused into the gate/up GEMM: its columns computed in blocks, gate

@@ -276,6 +276,42 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
           });
 }
 
+// Whether `kern` keeps an FP8 B of k_size x n compactly (PackedKernels::
+// expand_fp8): whole panels, whole pairs.
+bool KeptCompact(const PackedKernels& kern, ElemType b_type, int64_t k_size, int64_t n) {
+  return kern.expand_fp8 != nullptr && b_type == ElemType::kF8E4M3 && k_size % 2 == 0 &&
+         n % kern.nr == 0;
+}
+
+// 4-byte panel slots of a pack of k_size x n: each k block's panels.
+int64_t PackSlots(const PackedKernels& kern, int64_t k_size, int64_t n) {
+  const int64_t panels = (n + kern.nr - 1) / kern.nr;
+  int64_t slots = 0;
+  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+    slots += panels * kern.nr * internal::PanelSlots(kern, std::min(kern.kb, k_size - k0));
+  }
+  return slots;
+}
+
+// The compact FP8 pack of b's k block [k0, k0 + kb): each panel's pair-rows
+// in the pairs panels' order, (k, k + 1) of a column in adjacent bytes, the
+// padding rows zero.
+void PackCompactFp8(const PackedKernels& kern, const Operand& b, int64_t k0, int64_t kb, int64_t n,
+                    uint8_t* out) {
+  const auto* src = static_cast<const uint8_t*>(b.data);
+  const int64_t slots = internal::PanelSlots(kern, kb);
+  for (int64_t p = 0; p < n / kern.nr; ++p) {
+    uint8_t* o = out + p * slots * kern.nr * 2;
+    std::fill_n(o, slots * kern.nr * 2, uint8_t{0});
+    for (int64_t k = 0; k < kb; ++k) {
+      for (int64_t j = 0; j < kern.nr; ++j) {
+        o[((k / 2) * kern.nr + j) * 2 + k % 2] =
+            src[(k0 + k) * b.row_stride + (p * kern.nr + j) * b.col_stride];
+      }
+    }
+  }
+}
+
 PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Operand& b)
     : isa_(isa), a_type_(a_type), k_size_(k_size), n_(n), source_(b) {
   TORCH_CHECK(static_cast<int>(isa) <= static_cast<int>(DetectIsa()), "PackedB: ", IsaName(isa),
@@ -287,20 +323,23 @@ PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Oper
   a_like.type = a_type;
   const PackedKernels& kern = Select(isa, a_like, b);
   kern_ = &kern;
+  compact_ = KeptCompact(kern, b.type, k_size, n);
   const int64_t panels = (n + kern.nr - 1) / kern.nr;
   const int64_t kb_full = std::min(kern.kb, k_size + (k_size & 1));
-  auto slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
-  block_floats_ = panels * kern.nr * slots(kb_full);
-  int64_t total = 0;
+  block_slots_ = panels * kern.nr * internal::PanelSlots(kern, kb_full);
+  const int64_t slots = PackSlots(kern, k_size, n);
+  // Compact: a byte per bfloat16 value, two per slot (nr is even).
+  num_floats_ = compact_ ? slots / 2 : slots;
+  data_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(num_floats_));
+  if (n == 0) return;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
-    total += panels * kern.nr * slots(std::min(kern.kb, k_size - k0));
-  }
-  data_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(total));
-  num_floats_ = total;
-  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
-    if (n > 0)
-      kern.pack_b(b, k0, std::min(kern.kb, k_size - k0), 0, n,
-                  data_.get() + (k0 / kern.kb) * block_floats_);
+    const int64_t kb = std::min(kern.kb, k_size - k0);
+    if (compact_) {
+      PackCompactFp8(kern, b, k0, kb, n,
+                     reinterpret_cast<uint8_t*>(data_.get()) + (k0 / kern.kb) * block_slots_ * 2);
+    } else {
+      kern.pack_b(b, k0, kb, 0, n, data_.get() + (k0 / kern.kb) * block_slots_);
+    }
   }
 }
 
@@ -309,17 +348,19 @@ int64_t PackedB::Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, Elem
   a_like.type = a_type;
   b_like.type = b_type;
   const PackedKernels& kern = Select(isa, a_like, b_like);
-  const int64_t panels = (n + kern.nr - 1) / kern.nr;
-  int64_t floats = 0;
-  for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
-    const int64_t kb = std::min(kern.kb, k_size - k0);
-    floats += panels * kern.nr * internal::PanelSlots(kern, kb);
-  }
-  return floats * static_cast<int64_t>(sizeof(float));
+  const int64_t bytes = PackSlots(kern, k_size, n) * static_cast<int64_t>(sizeof(float));
+  return KeptCompact(kern, b_type, k_size, n) ? bytes / 2 : bytes;
 }
 
-const float* PackedB::Block(int64_t k0) const {
-  return data_.get() + (k0 / kern_->kb) * block_floats_;
+const float* PackedB::Block(int64_t k0, int64_t n0, float* scratch, int64_t k_block,
+                            int64_t n_block) const {
+  const int64_t slots = internal::PanelSlots(*kern_, k_block);
+  const int64_t block = k0 / kern_->kb, panel_offset = (n0 / kern_->nr) * kern_->nr * slots;
+  if (!compact_) return data_.get() + block * block_slots_ + panel_offset;
+  const auto* bytes = reinterpret_cast<const uint8_t*>(data_.get());
+  kern_->expand_fp8(bytes + (block * block_slots_ + panel_offset) * 2, source_, k0, k_block, n0,
+                    n_block, scratch);
+  return scratch;
 }
 
 void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& c, bool accumulate,
@@ -365,12 +406,9 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
     }
     return;
   }
-  const PackedKernels& kern = *b.kern_;
-  const int64_t nr = kern.nr;
-  Blocked(kern, m, num_cols, k_size, a, c, accumulate,
-          [&](int64_t k0, int64_t kb, int64_t n0, int64_t /*nb*/, float* /*scratch*/) {
-            const int64_t slots = internal::PanelSlots(kern, kb);
-            return b.Block(k0) + ((col0 + n0) / nr) * nr * slots;
+  Blocked(*b.kern_, m, num_cols, k_size, a, c, accumulate,
+          [&](int64_t k0, int64_t kb, int64_t n0, int64_t nb, float* scratch) {
+            return b.Block(k0, col0 + n0, scratch, kb, nb);
           });
 }
 

@@ -117,7 +117,11 @@ struct PackedKernels;
 // Memory: k_size x n rounded up to the microkernel's panels, 4 bytes per
 // element in float32 mode (float32 weights, or any weight on AVX2, AVX-512F,
 // portable and widened avx512_bf16 kernels) and 2 in bfloat16-pairs mode
-// (bfloat16 or FP8 weights where MultipliesBf16Pairs).
+// (bfloat16 weights where MultipliesBf16Pairs). An FP8 weight there keeps
+// its one byte per element (when n is a multiple of 32 and k_size even),
+// in the panels' order: each k block's panels are converted to bfloat16
+// pairs as a GEMM reads them, a contiguous pass through the kept bytes
+// instead of a pack from the weight's own layout.
 class PackedB {
  public:
   PackedB() = default;
@@ -136,14 +140,20 @@ class PackedB {
  private:
   friend void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
                           int64_t num_cols, const Output& c, bool accumulate, RowPath path);
-  // The packed panels of the k block that starts at k0.
-  const float* Block(int64_t k0) const;
+  // The panels of columns [n0, n0 + n_block) (n0 on the panel grid) of the
+  // k block [k0, k0 + k_block): where they lie in the pack, or, from a
+  // compact FP8 pack, converted into `scratch` (room for them).
+  const float* Block(int64_t k0, int64_t n0, float* scratch, int64_t k_block,
+                     int64_t n_block) const;
 
   const internal::PackedKernels* kern_ = nullptr;
   Isa isa_ = Isa::kPortable;
   ElemType a_type_ = ElemType::kF32;
   int64_t k_size_ = 0, n_ = 0;
-  int64_t block_floats_ = 0;  // floats per full k block (all column panels)
+  // 4-byte panel slots per full k block (all column panels); a compact FP8
+  // pack holds two bytes per slot.
+  int64_t block_slots_ = 0;
+  bool compact_ = false;
   Operand source_;
   // Written whole by the packing, so not value-initialized first.
   std::unique_ptr<float[]> data_;

@@ -254,7 +254,8 @@ const PackedKernels& AmxBf16Kernels() {
                                &StoreBf16RowAvx512,
                                /*k_pad_pairs=*/kTilePairs,
                                &BeginTiles,
-                               &EndTiles};
+                               &EndTiles,
+                               &ExpandFp8Pairs<kNr, kTilePairs>};
   return k;
 }
 

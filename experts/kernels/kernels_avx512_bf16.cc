@@ -129,7 +129,11 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
-                               &StoreBf16RowAvx512};
+                               &StoreBf16RowAvx512,
+                               /*k_pad_pairs=*/1,
+                               /*begin=*/nullptr,
+                               /*end=*/nullptr,
+                               &ExpandFp8Pairs<kNr, 1>};
   return k;
 }
 

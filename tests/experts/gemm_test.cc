@@ -259,6 +259,14 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
       {300, 40, 70, ElemType::kBF16, ElemType::kBF16, true, ElemType::kBF16, true,
        RowPath::kBlocked},
       {1, 33, 2, ElemType::kF32, ElemType::kF32, false, ElemType::kF32, false, RowPath::kBlocked},
+      // FP8 on whole panels and pairs, which the bfloat16-pair kernels keep
+      // compactly: several k blocks, a tail block of a few pairs, both layouts.
+      {130, 96, 1030, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, false,
+       RowPath::kBlocked},
+      {40, 160, 384, ElemType::kBF16, ElemType::kF8E4M3, false, ElemType::kBF16, true,
+       RowPath::kBlocked},
+      {3, 64, 256, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, true,
+       RowPath::kBlocked},
   };
   uint64_t seed = 300;
   for (const PackCase& c : cases) {
@@ -283,6 +291,24 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
       EXPECT_TRUE(at::equal(got, want));
     }
   }
+}
+
+// Where the kernels multiply bfloat16 pairs, an FP8 weight's pack keeps its
+// byte per element (half a bfloat16 pack) when it fills whole panels and
+// pairs; elsewhere, and off that grid, it takes the bfloat16 pack's size.
+// (PackedBGivesTheBitsOfPackingPerCall and PackedBServesTallBfloat16Outputs
+// multiply by such packs.)
+TEST_P(GemmOnIsa, PackedFp8KeepsOneBytePerElementWherePairsAreMultiplied) {
+  auto bytes = [&](int64_t k, int64_t n, ElemType b_type) {
+    return PackedB::Bytes(isa(), ElemType::kF32, k, n, b_type);
+  };
+  const bool pairs = MultipliesInBf16(isa()) && MultipliesBf16Pairs(isa());
+  EXPECT_EQ(bytes(1030, 96, ElemType::kF8E4M3) * (pairs ? 2 : 1), bytes(1030, 96, ElemType::kBF16));
+  EXPECT_EQ(bytes(1030, 70, ElemType::kF8E4M3), bytes(1030, 70, ElemType::kBF16));
+  EXPECT_EQ(bytes(1031, 96, ElemType::kF8E4M3), bytes(1031, 96, ElemType::kBF16));
+  Stored b = MakeOperand(1030, 96, ElemType::kF8E4M3, true, 77);
+  const PackedB packed(isa(), ElemType::kF32, 1030, 96, b.op);
+  EXPECT_EQ(packed.bytes(), bytes(1030, 96, ElemType::kF8E4M3));
 }
 
 // A bfloat16 output taller than the rows the driver buffers at a time (256)

@@ -61,6 +61,15 @@ struct PackedKernels {
   // the tiles).
   void (*begin)() = nullptr;
   void (*end)() = nullptr;
+  // Optional (pairs mode): an FP8 B kept compactly, in the pairs panels'
+  // order with one byte per element instead of a bfloat16 pair per 4 bytes
+  // (PackedB, gemm.cc), expanded into the panels pack_b makes of the same
+  // block, the same bits: the panels of columns [n0, n0 + n_size) (n0 a
+  // multiple of nr; the last panel whole) of the k block [k0, k0 + k_size)
+  // (k_size even), read from `compact`, their first byte. b is the FP8
+  // source, for its scales.
+  void (*expand_fp8)(const uint8_t* compact, const Operand& b, int64_t k0, int64_t k_size,
+                     int64_t n0, int64_t n_size, void* out) = nullptr;
 };
 
 // Floats (4-byte slots) per row or column of a panel over a k block of kb.

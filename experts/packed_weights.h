@@ -27,7 +27,8 @@
 // bytes per element in float32 mode (float32 weights, and bfloat16 or FP8
 // weights on AVX2, AVX-512F or portable kernels: 2x a bfloat16 weight, 4x an
 // FP8 one) and 2 bytes in bfloat16-pairs mode (amx_bf16, and avx512_bf16
-// where it multiplies pairs: kernels::MultipliesBf16Pairs), per orientation
+// where it multiplies pairs: kernels::MultipliesBf16Pairs), where an FP8
+// weight's pack keeps 1 byte per element (kernels::PackedB), per orientation
 // used (forward and dX: two packs per weight). The cache keeps at most
 // `max_bytes` of packs; a weight whose packs do not fit is packed per call
 // as before (same bits), so memory stays bounded and speed degrades

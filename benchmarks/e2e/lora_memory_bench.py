@@ -181,8 +181,9 @@ def main():
         adapters = 16 * r * (2 * h + 3 * i) / (3 * h * i)
         print(f"LoRA floor: 2.00 B (bf16 weights; fp8: 1.00 B) + {adapters:.2f} B (adapter, "
               f"gradient, m, v) = {2 + adapters:.2f} B (fp8: {1 + adapters:.2f} B) per expert "
-              f"parameter; the expert kernels also keep packs of frozen weights (bfloat16 or "
-              f"float32, up to 2 GiB per process), and the slope holds allocator growth, which "
+              f"parameter; the expert kernels also keep packs of frozen weights (float32, "
+              f"bfloat16 pairs, or FP8 bytes where the kernels multiply pairs; up to 2 GiB per "
+              f"process), and the slope holds allocator growth, which "
               f"varies from run to run by a few tenths")
 
 if __name__ == "__main__":

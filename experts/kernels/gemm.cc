@@ -18,6 +18,7 @@
 #include <limits>
 #include <vector>
 
+#include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/internal/packed_kernels.h"
 
 namespace moefit::experts::kernels {
@@ -357,9 +358,14 @@ const float* PackedB::Block(int64_t k0, int64_t n0, float* scratch, int64_t k_bl
   const int64_t slots = internal::PanelSlots(*kern_, k_block);
   const int64_t block = k0 / kern_->kb, panel_offset = (n0 / kern_->nr) * kern_->nr * slots;
   if (!compact_) return data_.get() + block * block_slots_ + panel_offset;
-  const auto* bytes = reinterpret_cast<const uint8_t*>(data_.get());
-  kern_->expand_fp8(bytes + (block * block_slots_ + panel_offset) * 2, source_, k0, k_block, n0,
-                    n_block, scratch);
+  const uint8_t* bytes =
+      reinterpret_cast<const uint8_t*>(data_.get()) + (block * block_slots_ + panel_offset) * 2;
+  if (internal::Fp8TablesUsable()) {
+    internal::ExpandFp8PairsByTables(kern_->k_pad_pairs, bytes, source_, k0, k_block, n0, n_block,
+                                     scratch);
+  } else {
+    kern_->expand_fp8(bytes, source_, k0, k_block, n0, n_block, scratch);
+  }
   return scratch;
 }
 

@@ -17,6 +17,7 @@
 #include "experts/kernels/internal/x86_intrinsics.h"
 
 #define MOEFIT_PACK_WIDTH 16
+#include <cstring>
 #include <vector>
 
 #include "experts/kernels/internal/fp8_tables.h"
@@ -290,7 +291,57 @@ void NContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b, 
       });
 }
 
+// Output byte 2w of vector h takes plane lo's byte 32h + w, byte 2w + 1
+// plane hi's: the bfloat16 words of the 64 looked-up bytes, in their order.
+struct Interleave {
+  __m512i idx[2];
+};
+
+Interleave MakeInterleave() {
+  alignas(64) uint8_t b[2][64];
+  for (int h = 0; h < 2; ++h) {
+    for (int w = 0; w < 32; ++w) {
+      b[h][2 * w] = static_cast<uint8_t>(32 * h + w);
+      b[h][2 * w + 1] = static_cast<uint8_t>(64 + 32 * h + w);
+    }
+  }
+  return {{_mm512_load_si512(b[0]), _mm512_load_si512(b[1])}};
+}
+
 }  // namespace
+
+void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Operand& b, int64_t k0,
+                            int64_t k_size, int64_t n0, int64_t n_size, void* out) {
+  constexpr int64_t kNr = 32;  // a pair-row: 32 columns x 2 bytes, one 64-byte vector
+  const int64_t kp = k_size / 2;
+  const int64_t kp_padded = (kp + k_pad_pairs - 1) / k_pad_pairs * k_pad_pairs;
+  // The tables of the scale blocks from (k0, the block holding column n0).
+  const int64_t j_base = n0 / kScaleBlock * kScaleBlock;
+  Operand from = b;
+  from.scales +=
+      (k0 / kScaleBlock) * b.scale_row_stride + (j_base / kScaleBlock) * b.scale_col_stride;
+  thread_local Tables tables;
+  tables.Make(from, k_size, n0 + n_size - j_base);
+  const Interleave mix = MakeInterleave();
+  for (int64_t p = 0; p < (n_size + kNr - 1) / kNr; ++p) {
+    const uint8_t* in = compact + p * kp_padded * kNr * 2;
+    auto* o = static_cast<uint8_t*>(out) + p * kp_padded * kNr * 4;
+    // A scale block is 64 pair-rows.
+    for (int64_t q0 = 0; q0 < kp; q0 += kScaleBlock / 2) {
+      const Planes planes = LoadPlanes(tables.At(2 * q0, n0 + p * kNr - j_base));
+      const int64_t q_end = MinI(q0 + kScaleBlock / 2, kp);
+      for (int64_t q = q0; q < q_end; ++q) {
+        // 8 KiB ahead: at 16 rows 1.1-1.3x as fast as 2 KiB, 1.3x as 32 KiB
+        // (one core of a Xeon with AMX, packs in memory).
+        _mm_prefetch(reinterpret_cast<const char*>(in + (q + 128) * kNr * 2), _MM_HINT_T0);
+        const Looked v = LookUpBytes(planes, _mm512_loadu_si512(in + q * kNr * 2));
+        _mm512_storeu_si512(o + q * kNr * 4, _mm512_permutex2var_epi8(v.lo, mix.idx[0], v.hi));
+        _mm512_storeu_si512(o + q * kNr * 4 + 64, _mm512_permutex2var_epi8(v.lo, mix.idx[1], v.hi));
+      }
+    }
+    std::memset(o + kp * kNr * 4, 0, (kp_padded - kp) * kNr * 4);
+  }
+}
 
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate) {

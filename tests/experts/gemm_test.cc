@@ -607,6 +607,87 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
   EXPECT_GT(compared, 0);
 }
 
+// Equal values, NaN where the other is NaN: which NaN an FP8 NaN byte
+// becomes differs between the per-call packing's vector body and its
+// scalar tail, and a sum's NaN follows its inputs'.
+bool SameValues(const at::Tensor& got, const at::Tensor& want) {
+  return at::allclose(got, want, /*rtol=*/0.0, /*atol=*/0.0, /*equal_nan=*/true);
+}
+
+// An FP8 weight kept compactly (its bytes in the bfloat16-pair panels'
+// order, expanded block by block as a GEMM reads it) gives the values of
+// packing it per call, through the lookup tables and through the arithmetic
+// expansion: on both pairs kernels, both layouts, several k blocks and a
+// short last one, column ranges, and scales whose products are float32
+// subnormals (where the tables and vcvtneps2bf16 round differently and the
+// kernels multiply both as zero), huge or negative, with NaN bytes.
+TEST(Gemm, CompactFp8PacksMultiplyAsPackingPerCall) {
+  struct Shape {
+    int64_t k, n;
+  };
+  const Shape shapes[] = {{1030, 96}, {300, 160}, {64, 32}};
+  int64_t compared = 0;
+  for (const Isa isa : {Isa::kAvx512Bf16, Isa::kAmxBf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    internal::SetBf16Pairs(true);
+    for (const bool tables : {true, false}) {
+      if (tables && !internal::Fp8TablesUsable()) continue;
+      internal::SetFp8TablesEnabled(tables);
+      for (const Shape& shape : shapes) {
+        for (const bool transposed : {true, false}) {
+          at::manual_seed(shape.k + 3 * shape.n);
+          at::Tensor bytes = transposed ? at::randint(0, 256, {shape.n, shape.k}, at::kByte)
+                                        : at::randint(0, 256, {shape.k, shape.n}, at::kByte);
+          const int64_t sr = (bytes.size(0) + kScaleBlock - 1) / kScaleBlock;
+          const int64_t sc = (bytes.size(1) + kScaleBlock - 1) / kScaleBlock;
+          at::Tensor scales = at::rand({sr, sc}).add_(0.5).div_(100);
+          float* sp = scales.data_ptr<float>();
+          const float odd[] = {1e-39f, -0.013f, 1e36f, -2e-42f};
+          for (int64_t i = 0; i < sr * sc && i < 4; ++i) sp[(i * 3) % (sr * sc)] = odd[i];
+          const Operand b{bytes.data_ptr(),
+                          ElemType::kF8E4M3,
+                          transposed ? 1 : shape.n,
+                          transposed ? shape.k : 1,
+                          sp,
+                          transposed ? 1 : sc,
+                          transposed ? sc : 1};
+          for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
+            const PackedB packed(isa, a_type, shape.k, shape.n, b);
+            ASSERT_EQ(packed.bytes() * 2,
+                      PackedB::Bytes(isa, a_type, shape.k, shape.n, ElemType::kBF16));
+            for (const int64_t m : {9, 40, 130}) {
+              SCOPED_TRACE(::testing::Message()
+                           << IsaName(isa) << " tables " << tables << " k " << shape.k << " n "
+                           << shape.n << " Wᵀ " << transposed << " m " << m);
+              Stored a = MakeOperand(m, shape.k, a_type, false, 60 + m);
+              at::Tensor want = at::zeros({m, shape.n}), got = at::zeros({m, shape.n});
+              Gemm(isa, m, shape.n, shape.k, a.op, b,
+                   Output{want.data_ptr(), ElemType::kF32, shape.n}, false, RowPath::kBlocked);
+              Gemm(isa, m, a.op, packed, Output{got.data_ptr(), ElemType::kF32, shape.n}, false,
+                   RowPath::kBlocked);
+              EXPECT_TRUE(SameValues(got, want));
+              // The columns from the second scale block on.
+              if (shape.n > kScaleBlock) {
+                at::Tensor cols = at::zeros({m, shape.n});
+                GemmColumns(isa, m, a.op, packed, kScaleBlock, shape.n - kScaleBlock,
+                            Output{cols.data_ptr<float>() + kScaleBlock, ElemType::kF32, shape.n},
+                            false, RowPath::kBlocked);
+                EXPECT_TRUE(SameValues(cols.slice(1, kScaleBlock), want.slice(1, kScaleBlock)));
+              }
+              ++compared;
+            }
+          }
+        }
+      }
+    }
+    internal::SetFp8TablesEnabled(true);
+    internal::SetBf16Pairs(std::nullopt);
+  }
+  if (compared == 0) {
+    GTEST_SKIP() << "no AVX-512 BF16 on this CPU (" << CpuFlags() << ")";
+  }
+}
+
 // A bfloat16 output is the float32 result rounded to nearest even, as c10
 // rounds, on every instruction set's float32 kernels (the bfloat16-pairs
 // kernels of avx512_bf16 and amx_bf16 store with the same AVX-512 function):

@@ -47,4 +47,14 @@ inline constexpr int64_t kFp8TableRowsNContiguous = 5;
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate);
 
+// PackedKernels::expand_fp8 of the pairs kernels (nr 32, pairs padded to a
+// multiple of k_pad_pairs) through the same tables: 64 bytes of a compact
+// pack become 64 bfloat16 by byte permutes. A table holds RoundBf16F's
+// value where pack_b rounds with vcvtneps2bf16; the two differ only where
+// FP8 x scale is a float32 subnormal (that instruction makes it zero), and
+// the pairs kernels multiply bfloat16 subnormals as zero: the same GEMM bits.
+// Only to be called where Fp8TablesUsable().
+void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Operand& b, int64_t k0,
+                            int64_t k_size, int64_t n0, int64_t n_size, void* out);
+
 }  // namespace moefit::experts::kernels::internal

@@ -13,6 +13,9 @@
 // SmallRows<true>'s own decoder (the same bits for every byte and scale), and
 // each 64 bytes of weight become 64 floats by byte permutes (vpermt2b).
 //
+// The same tables expand the compact packs that keep FP8 weights for the
+// blocked path (ExpandFp8PairsByTables, below).
+//
 // StreamFp8ByTables gives SmallRows<true>'s bits exactly: every element of C
 // is summed in the same order, from the same weight values, with the same
 // scalar tails.

@@ -280,8 +280,9 @@ int main(int argc, char** argv) {
   std::vector<std::vector<std::string>> lines(rows.size());
   for (Isa isa : isas) {
     for (const Weights& w : weights) {
-      // The packs of as many experts as exceed the caches (packs are float32
-      // or bfloat16 pairs, wider than FP8), at most all of them.
+      // The packs of as many experts as exceed the caches (float32, bfloat16
+      // pairs, or an FP8 weight's bytes on the pairs kernels), at most all
+      // of them.
       const int64_t pack_bytes = PackedB::Bytes(isa, ElemType::kF32, H, 2 * I, w.type) +
                                  PackedB::Bytes(isa, ElemType::kF32, I, H, w.type) +
                                  PackedB::Bytes(isa, ElemType::kF32, H, I, w.type) +

@@ -243,7 +243,12 @@ StepStats Trainer::Step(int64_t step) {
   StepStats stats;
   stats.step = step + 1;
   stats.lr = ScheduledLr(o, step);
+  const auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
+  const auto zero_start = std::chrono::steady_clock::now();
   s.optimizer->ZeroGrad();
+  stats.optimizer_seconds = since(zero_start);
   double loss_here = 0, aux_here = 0;
   at::Tensor load;  // [moe layers, E] assignments over the global batch
   std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
@@ -298,8 +303,10 @@ StepStats Trainer::Step(int64_t step) {
   at::Tensor sums = SumOver(dp, at::tensor({loss_here, aux_here}, at::kDouble));
   stats.loss = sums[0].item<double>() / static_cast<double>(trained);
   stats.aux_loss = sums[1].item<double>() / static_cast<double>(o.grad_accum_steps);
+  const auto optimizer_start = std::chrono::steady_clock::now();
   stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
   s.optimizer->Step(stats.lr);  // also refreshes the experts' compute copies
+  stats.optimizer_seconds += since(optimizer_start);
   // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
   // rate towards balance, from the global batch's counts, which every rank
   // holds alike, so the biases stay equal on all ranks.
@@ -322,8 +329,7 @@ StepStats Trainer::Step(int64_t step) {
     ll.max_over_mean = mean > 0 ? c.max().item<int64_t>() / mean : 0.0;
     stats.moe_layers.push_back(std::move(ll));
   }
-  stats.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats.seconds = since(start);
   stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
   stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
   stats.pcie_bytes = internal::PcieBytes() - pcie_start;
@@ -383,6 +389,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_step_s(st.seconds);
       m.set_expert_s(st.expert_seconds);
       m.set_comm_s(st.comm_seconds);
+      m.set_optimizer_s(st.optimizer_seconds);
       m.set_pcie_bytes(st.pcie_bytes);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();

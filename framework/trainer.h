@@ -103,6 +103,10 @@ struct StepStats {
   double seconds = 0;         // wall clock of the step
   double expert_seconds = 0;  // of which in the expert backends
   double comm_seconds = 0;    // of which blocked in collectives
+  // Of which zeroing the gradients, summing them over ranks, their norm and
+  // clipping, and the optimizer step (its collectives' waits are also in
+  // comm_seconds).
+  double optimizer_seconds = 0;
   int64_t pcie_bytes = 0;     // activations copied between GPU and host, both ways
   std::vector<LayerLoad> moe_layers;
 };

@@ -52,6 +52,9 @@ TEST(Training, DemoModelLearnsTheCorpus) {
     int64_t total = 0;
     for (int64_t c : s.moe_layers[0].tokens_per_expert) total += c;
     EXPECT_EQ(total, 8 * 128 * 2);  // every token's top-2 assignments counted
+    // The optimizer's share of the step is timed, within the step.
+    EXPECT_GT(s.optimizer_seconds, 0.0);
+    EXPECT_LT(s.optimizer_seconds + s.expert_seconds, s.seconds);
   }
 }
 

@@ -527,6 +527,33 @@ TEST(Gemm, KernelsDecodeEveryFp8ByteAsC10) {
   }
 }
 
+// A k x n FP8 B of random bytes (NaN included when nan_bytes), stored
+// [k, n] (read as is: n-contiguous) or, transposed, [n, k] (Wᵀ:
+// k-contiguous), with block scales of either sign, tiny (subnormal bfloat16
+// products) and huge (infinite ones) among ordinary ones.
+struct OddFp8 {
+  at::Tensor bytes, scales;
+  Operand op;
+};
+
+OddFp8 MakeOddFp8(int64_t k, int64_t n, bool transposed, bool nan_bytes, uint64_t seed) {
+  at::manual_seed(seed);
+  OddFp8 w;
+  w.bytes =
+      transposed ? at::randint(0, 256, {n, k}, at::kByte) : at::randint(0, 256, {k, n}, at::kByte);
+  if (!nan_bytes) w.bytes.masked_fill_((w.bytes == 0x7f).logical_or(w.bytes == 0xff), 0x42);
+  const int64_t sr = (w.bytes.size(0) + kScaleBlock - 1) / kScaleBlock;
+  const int64_t sc = (w.bytes.size(1) + kScaleBlock - 1) / kScaleBlock;
+  w.scales = at::rand({sr, sc}).add_(0.5).div_(100);
+  float* sp = w.scales.data_ptr<float>();
+  const float odd[] = {-0.013f, 1e-39f, 1e36f, -2e-42f};
+  for (int64_t i = 0; i < sr * sc && i < 4; ++i) sp[(i * 5) % (sr * sc)] = odd[i];
+  w.op =
+      Operand{w.bytes.data_ptr(),  ElemType::kF8E4M3,  transposed ? 1 : n, transposed ? k : 1, sp,
+              transposed ? 1 : sc, transposed ? sc : 1};
+  return w;
+}
+
 // The FP8 lookup tables (internal/fp8_tables.h) against the decoder they
 // stand in for, on the sets that multiply in bfloat16: the same bits for
 // every row count they take (kFp8TableRows*), both weight layouts, both activation and output
@@ -551,26 +578,9 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
     if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
     for (const Shape& shape : shapes) {
       for (const bool transposed : {true, false}) {
-        at::manual_seed(shape.k * 7 + shape.n);
-        // Stored [k, n] (B read as is: n-contiguous) or [n, k] (Wᵀ: k-contiguous).
-        at::Tensor bytes = transposed ? at::randint(0, 256, {shape.n, shape.k}, at::kByte)
-                                      : at::randint(0, 256, {shape.k, shape.n}, at::kByte);
-        if (!shape.nan_bytes) {
-          bytes.masked_fill_((bytes == 0x7f).logical_or(bytes == 0xff), 0x42);
-        }
-        const int64_t sr = (bytes.size(0) + kScaleBlock - 1) / kScaleBlock;
-        const int64_t sc = (bytes.size(1) + kScaleBlock - 1) / kScaleBlock;
-        at::Tensor scales = at::rand({sr, sc}).add_(0.5).div_(100);
-        float* sp = scales.data_ptr<float>();
-        const float odd[] = {-0.013f, 1e-39f, 1e36f, -2e-42f};
-        for (int64_t i = 0; i < sr * sc && i < 4; ++i) sp[(i * 5) % (sr * sc)] = odd[i];
-        const Operand b{bytes.data_ptr(),
-                        ElemType::kF8E4M3,
-                        transposed ? 1 : shape.n,
-                        transposed ? shape.k : 1,
-                        sp,
-                        transposed ? 1 : sc,
-                        transposed ? sc : 1};
+        const OddFp8 w =
+            MakeOddFp8(shape.k, shape.n, transposed, shape.nan_bytes, shape.k * 7 + shape.n);
+        const Operand& b = w.op;
         for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
           const int64_t max_rows =
               transposed ? internal::kFp8TableRowsKContiguous : internal::kFp8TableRowsNContiguous;
@@ -635,22 +645,9 @@ TEST(Gemm, CompactFp8PacksMultiplyAsPackingPerCall) {
       internal::SetFp8TablesEnabled(tables);
       for (const Shape& shape : shapes) {
         for (const bool transposed : {true, false}) {
-          at::manual_seed(shape.k + 3 * shape.n);
-          at::Tensor bytes = transposed ? at::randint(0, 256, {shape.n, shape.k}, at::kByte)
-                                        : at::randint(0, 256, {shape.k, shape.n}, at::kByte);
-          const int64_t sr = (bytes.size(0) + kScaleBlock - 1) / kScaleBlock;
-          const int64_t sc = (bytes.size(1) + kScaleBlock - 1) / kScaleBlock;
-          at::Tensor scales = at::rand({sr, sc}).add_(0.5).div_(100);
-          float* sp = scales.data_ptr<float>();
-          const float odd[] = {1e-39f, -0.013f, 1e36f, -2e-42f};
-          for (int64_t i = 0; i < sr * sc && i < 4; ++i) sp[(i * 3) % (sr * sc)] = odd[i];
-          const Operand b{bytes.data_ptr(),
-                          ElemType::kF8E4M3,
-                          transposed ? 1 : shape.n,
-                          transposed ? shape.k : 1,
-                          sp,
-                          transposed ? 1 : sc,
-                          transposed ? sc : 1};
+          const OddFp8 w =
+              MakeOddFp8(shape.k, shape.n, transposed, /*nan_bytes=*/true, shape.k + 3 * shape.n);
+          const Operand& b = w.op;
           for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
             const PackedB packed(isa, a_type, shape.k, shape.n, b);
             ASSERT_EQ(packed.bytes() * 2,

@@ -330,9 +330,10 @@ int main(int argc, char** argv) {
         const double t_kept = TimeIt(fwd_dx_kept, f.seconds);
         // Streamed FP8 rows through the lookup tables: the arithmetic decoder
         // they replace, timed in the same run as their baseline.
-        const bool tables =
-            w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) && internal::Fp8TablesUsable() &&
-            m <= std::max(internal::kFp8TableRowsKContiguous, internal::kFp8TableRowsNContiguous);
+        const bool tables = w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) &&
+                            internal::Fp8TablesUsable() &&
+                            m <= std::max(internal::Fp8TableRows().k_contiguous,
+                                          internal::Fp8TableRows().n_contiguous);
         double t_decoder = 0, t_decoder_kept = 0;
         if (tables) {
           internal::SetFp8TablesEnabled(false);
@@ -406,12 +407,12 @@ int main(int argc, char** argv) {
       "and its ratio to the same memory floor.\n"
       "fp8-d: the FP8 rows above them again, through the arithmetic decoder instead of\n"
       "the per-block lookup tables (AVX-512 VBMI; the same bits), which take the\n"
-      "forward GEMMs up to %lld rows and the dX ones up to %lld.\n"
+      "forward GEMMs up to %lld rows and the dX ones up to %lld here (measured).\n"
       "bf16-w, fp8-w (bf16-p, fp8-p): on avx512_bf16, the rows above them again with the\n"
       "weights widened to float32 (multiplied as bfloat16 pairs), the form this CPU did not\n"
       "choose (%s), packing per call.\n",
-      static_cast<long long>(internal::kFp8TableRowsKContiguous),
-      static_cast<long long>(internal::kFp8TableRowsNContiguous),
+      static_cast<long long>(internal::Fp8TableRows().k_contiguous),
+      static_cast<long long>(internal::Fp8TableRows().n_contiguous),
       IsaDescription(Isa::kAvx512Bf16).c_str());
   return 0;
 }

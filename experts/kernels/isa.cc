@@ -5,10 +5,15 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+#include <vector>
 
+#include "experts/kernels/gemm.h"
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 
@@ -70,6 +75,8 @@ Isa FromEnvironment(Isa detected) {
 std::atomic<int> limit{-1};  // -1: not set by LimitIsa
 std::atomic<bool> fp8_tables_enabled{true};
 std::atomic<int> bf16_pairs_forced{-1};  // -1: measured; else 0 / 1 (SetBf16Pairs)
+// -1: measured; else k_contiguous * 256 + n_contiguous (SetFp8TableRows).
+std::atomic<int64_t> fp8_table_rows_forced{-1};
 
 }  // namespace
 
@@ -123,13 +130,23 @@ bool MultipliesBf16Pairs(Isa isa) {
 
 std::string IsaDescription(Isa isa) {
   std::string out(IsaName(isa));
-  if (isa != Isa::kAvx512Bf16) return out;
-  char speed[96];
-  std::snprintf(speed, sizeof speed, "vdpbf16ps at %.2fx the FMA's multiply-adds per second",
-                Bf16PairSpeed());
-  return out +
-         (MultipliesBf16Pairs(isa) ? " (bfloat16 pairs: " : " (weights widened to float32: ") +
-         speed + ")";
+  if (isa == Isa::kAvx512Bf16) {
+    char speed[96];
+    std::snprintf(speed, sizeof speed, "vdpbf16ps at %.2fx the FMA's multiply-adds per second",
+                  Bf16PairSpeed());
+    out += std::string(MultipliesBf16Pairs(isa) ? " (bfloat16 pairs: "
+                                                : " (weights widened to float32: ") +
+           speed + ")";
+  }
+  if (MultipliesInBf16(isa) && internal::Fp8TablesUsable()) {
+    const internal::Fp8TableRowLimits rows = internal::Fp8TableRows();
+    char tables[128];
+    std::snprintf(
+        tables, sizeof tables, "; FP8 lookup tables up to %lld rows in forward GEMMs, %lld in dX",
+        static_cast<long long>(rows.k_contiguous), static_cast<long long>(rows.n_contiguous));
+    out += tables;
+  }
+  return out;
 }
 
 std::string CpuFlags() {
@@ -165,6 +182,66 @@ bool Fp8TablesUsable() {
 }
 
 void SetFp8TablesEnabled(bool enabled) { fp8_tables_enabled.store(enabled); }
+
+Fp8TableRowLimits MeasureFp8TableRows(Isa isa) {
+  constexpr int64_t k = 1024, n = 512, kBlocks = k / kScaleBlock, nBlocks = n / kScaleBlock;
+  std::vector<uint8_t> bytes(k * n);
+  for (size_t i = 0; i < bytes.size(); ++i) {
+    const auto v = static_cast<uint8_t>((i * 37 + 11) % 256);
+    bytes[i] = (v & 0x7f) == 0x7f ? 0x42 : v;  // no NaN
+  }
+  const std::vector<float> scales(kBlocks * nBlocks, 0.01f);
+  std::vector<float> a(kFp8TableMaxRows * k), c(kFp8TableMaxRows * n);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i % 7) * 0.25f - 0.75f;
+  // B(kk, j) = bytes[j * k + kk] (Wᵀ) or bytes[kk * n + j] (W).
+  const Operand k_contiguous{bytes.data(), ElemType::kF8E4M3, 1, k, scales.data(), 1, kBlocks};
+  const Operand n_contiguous{bytes.data(), ElemType::kF8E4M3, n, 1, scales.data(), nBlocks, 1};
+  // The tables may take every row count meanwhile; the switch and the held
+  // limits are put back after.
+  const bool enabled = fp8_tables_enabled.load();
+  const int64_t forced = fp8_table_rows_forced.exchange(kFp8TableMaxRows * 256 + kFp8TableMaxRows);
+  auto seconds = [&](const Operand& b, int64_t m, bool tables) {
+    fp8_tables_enabled.store(tables);
+    const auto start = std::chrono::steady_clock::now();
+    Gemm(isa, m, n, k, Operand{a.data(), ElemType::kF32, k, 1}, b,
+         Output{c.data(), ElemType::kF32, n}, false, RowPath::kStreamed);
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  };
+  auto limit = [&](const Operand& b) {
+    int64_t rows = 0;
+    for (int64_t m = 1; m <= kFp8TableMaxRows; ++m) {
+      seconds(b, m, true);
+      seconds(b, m, false);
+      double tables = std::numeric_limits<double>::infinity(), decoder = tables;
+      for (int round = 0; round < 5; ++round) {
+        tables = std::min(tables, seconds(b, m, true));
+        decoder = std::min(decoder, seconds(b, m, false));
+      }
+      if (tables >= decoder) break;
+      rows = m;
+    }
+    return rows;
+  };
+  const Fp8TableRowLimits limits{limit(k_contiguous), limit(n_contiguous)};
+  fp8_tables_enabled.store(enabled);
+  fp8_table_rows_forced.store(forced);
+  return limits;
+}
+
+Fp8TableRowLimits Fp8TableRows() {
+  const int64_t forced = fp8_table_rows_forced.load(std::memory_order_relaxed);
+  if (forced >= 0) return {forced / 256, forced % 256};
+  static const Fp8TableRowLimits measured =
+      Fp8TablesUsable() && static_cast<int>(DetectIsa()) >= static_cast<int>(Isa::kAvx512Bf16)
+          ? MeasureFp8TableRows(Isa::kAvx512Bf16)
+          : Fp8TableRowLimits{};
+  return measured;
+}
+
+void SetFp8TableRows(std::optional<Fp8TableRowLimits> limits) {
+  fp8_table_rows_forced.store(limits.has_value() ? limits->k_contiguous * 256 + limits->n_contiguous
+                                                 : int64_t{-1});
+}
 
 void SetBf16Pairs(std::optional<bool> pairs) {
   bf16_pairs_forced.store(pairs.has_value() ? static_cast<int>(*pairs) : -1);

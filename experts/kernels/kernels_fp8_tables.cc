@@ -346,21 +346,22 @@ void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Opera
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate) {
   if (b.type != ElemType::kF8E4M3) return false;
-  // More rows go to the decoder, which measured as fast or faster there
+  // More rows go to the decoder where it measured as fast or faster
   // (fp8_tables.h): the tables leave room for few columns at a time, and
   // their time grows with the rows faster than the multiply-adds do.
-  if (m > (b.row_stride == 1 ? kFp8TableRowsKContiguous : kFp8TableRowsNContiguous)) return false;
+  const Fp8TableRowLimits limits = Fp8TableRows();
+  if (m > (b.row_stride == 1 ? limits.k_contiguous : limits.n_contiguous)) return false;
   thread_local Tables tables;
   const Spread spread = MakeSpread();
   tables.Make(b, k_size, n);
   DispatchType(a.type, [&]<ElemType TA>() {
     if constexpr (TA != ElemType::kF8E4M3) {
       if (b.row_stride == 1) {
-        DispatchRows<kFp8TableRowsKContiguous>(m, [&]<int kM>() {
+        DispatchRows<kFp8TableMaxRows>(m, [&]<int kM>() {
           KContiguous<kM, TA>(n, k_size, a, b, c, accumulate, tables, spread);
         });
       } else {
-        DispatchRows<kFp8TableRowsNContiguous>(m, [&]<int kM>() {
+        DispatchRows<kFp8TableMaxRows>(m, [&]<int kM>() {
           NContiguous<kM, TA>(n, k_size, a, b, c, accumulate, tables, spread);
         });
       }

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -556,7 +557,7 @@ OddFp8 MakeOddFp8(int64_t k, int64_t n, bool transposed, bool nan_bytes, uint64_
 
 // The FP8 lookup tables (internal/fp8_tables.h) against the decoder they
 // stand in for, on the sets that multiply in bfloat16: the same bits for
-// every row count they take (kFp8TableRows*), both weight layouts, both activation and output
+// every row count they can take (kFp8TableMaxRows), both weight layouts, both activation and output
 // types, with and without accumulation, at sizes that cut the 64-byte runs,
 // the 16-lane vectors and the 128 x 128 scale blocks short. The bytes take
 // every value (NaN included, in a case of its own, since one NaN makes its
@@ -573,6 +574,9 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
   };
   const Shape shapes[] = {{300, 260, false}, {1000, 77, false}, {17, 129, false},
                           {15, 16, false},   {130, 5, false},   {64, 200, true}};
+  // Every row count the tables can take, whatever this CPU's limits.
+  internal::SetFp8TableRows(
+      internal::Fp8TableRowLimits{internal::kFp8TableMaxRows, internal::kFp8TableMaxRows});
   int64_t compared = 0;
   for (const Isa isa : {Isa::kAvx512Bf16, Isa::kAmxBf16}) {
     if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
@@ -582,9 +586,7 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
             MakeOddFp8(shape.k, shape.n, transposed, shape.nan_bytes, shape.k * 7 + shape.n);
         const Operand& b = w.op;
         for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
-          const int64_t max_rows =
-              transposed ? internal::kFp8TableRowsKContiguous : internal::kFp8TableRowsNContiguous;
-          for (int64_t m = 1; m <= max_rows; ++m) {
+          for (int64_t m = 1; m <= internal::kFp8TableMaxRows; ++m) {
             for (const ElemType out_type : {ElemType::kF32, ElemType::kBF16}) {
               for (const bool accumulate : {false, true}) {
                 SCOPED_TRACE(
@@ -614,7 +616,39 @@ TEST(Gemm, Fp8TablesGiveTheDecodersBits) {
       }
     }
   }
+  internal::SetFp8TableRows(std::nullopt);
   EXPECT_GT(compared, 0);
+}
+
+// The tables' row limits are measured on this CPU within what they can
+// take, and a held limit is followed: the tables take a call of that many
+// rows and hand one more to the decoder.
+TEST(Gemm, Fp8TablesTakeTheRowsOfTheirLimits) {
+  if (!internal::Fp8TablesUsable() ||
+      static_cast<int>(DetectIsa()) < static_cast<int>(Isa::kAvx512Bf16)) {
+    GTEST_SKIP() << "no AVX-512 BF16 and VBMI on this CPU (" << CpuFlags() << ")";
+  }
+  const internal::Fp8TableRowLimits measured = internal::Fp8TableRows();
+  for (const int64_t rows : {measured.k_contiguous, measured.n_contiguous}) {
+    EXPECT_GE(rows, 0);
+    EXPECT_LE(rows, internal::kFp8TableMaxRows);
+  }
+  std::printf("FP8 lookup tables measured here up to %lld rows (Wᵀ) and %lld (W)\n",
+              static_cast<long long>(measured.k_contiguous),
+              static_cast<long long>(measured.n_contiguous));
+  for (const bool transposed : {true, false}) {
+    const OddFp8 w = MakeOddFp8(256, 160, transposed, /*nan_bytes=*/false, 91);
+    Stored a = MakeOperand(5, 256, ElemType::kF32, false, 92);
+    at::Tensor c = at::zeros({5, 160});
+    const Output out{c.data_ptr(), ElemType::kF32, 160};
+    internal::SetFp8TableRows(internal::Fp8TableRowLimits{4, 4});
+    EXPECT_TRUE(internal::StreamFp8ByTables(4, 160, 256, a.op, w.op, out, false));
+    EXPECT_FALSE(internal::StreamFp8ByTables(5, 160, 256, a.op, w.op, out, false));
+    internal::SetFp8TableRows(internal::Fp8TableRowLimits{0, 0});
+    EXPECT_FALSE(internal::StreamFp8ByTables(1, 160, 256, a.op, w.op, out, false));
+  }
+  internal::SetFp8TableRows(std::nullopt);
+  EXPECT_EQ(internal::Fp8TableRows().k_contiguous, measured.k_contiguous);
 }
 
 // Equal values, NaN where the other is NaN: which NaN an FP8 NaN byte

@@ -22,8 +22,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "experts/kernels/gemm.h"
+#include "experts/kernels/isa.h"
 
 namespace moefit::experts::kernels::internal {
 
@@ -36,17 +38,37 @@ bool Fp8TablesUsable();
 // two.
 void SetFp8TablesEnabled(bool enabled);
 
-// The most rows the tables take, per layout of B: where they measured faster
-// than the decoder, against the same rows through it, one core of a Zen 5
-// (H 2048, I 768): B k-contiguous (the forward GEMMs' Wᵀ) 1.2-2.3x at 1-3
-// rows, 0.9-1.0x at 4; B n-contiguous (dX's W) 1.0-2.4x at 1-5 rows, 1.0x at 6.
-inline constexpr int64_t kFp8TableRowsKContiguous = 3;
-inline constexpr int64_t kFp8TableRowsNContiguous = 5;
+// The most rows the tables can take (those of the streamed path).
+inline constexpr int64_t kFp8TableMaxRows = 8;
+
+// The most rows the tables take, per layout of B: B k-contiguous (the
+// forward GEMMs' Wᵀ) and n-contiguous (dX's W). Their advantage over the
+// decoder falls as rows add multiply-adds, and where it ends depends on the
+// CPU: on one core of a Zen 5 (H 2048, I 768) the tables ran 1.2-2.3x as
+// fast as the decoder at 1-3 rows k-contiguous and 0.9-1.0x at 4, 1.0-2.4x
+// at 1-5 rows n-contiguous and 1.0x at 6; on a Xeon with AMX forward + dX
+// together ran 1.29x, 1.20x and 1.12x as fast at 4, 5 and 6 rows. So the
+// limits are measured once per process (MeasureFp8TableRows), unless held.
+struct Fp8TableRowLimits {
+  int64_t k_contiguous = 0, n_contiguous = 0;
+};
+Fp8TableRowLimits Fp8TableRows();
+
+// Times the tables against the decoder on this core for 1..kFp8TableMaxRows
+// rows of an in-cache FP8 weight (1024 x 512) in each layout, on `isa` (a
+// set that multiplies bfloat16), fastest of several interleaved rounds
+// (about 20 ms in all): each limit is the most rows up to which the tables
+// were the faster at every row count. Only where Fp8TablesUsable().
+Fp8TableRowLimits MeasureFp8TableRows(Isa isa);
+
+// Holds the limits (nullopt: back to the measured ones): for the tests that
+// run the tables at every row count they can take.
+void SetFp8TableRows(std::optional<Fp8TableRowLimits> limits);
 
 // The streamed GEMM for an FP8 B, each element multiplied as bfloat16(e4m3 x
 // scale), for a call that SmallRows<true> (pack_x86.h) takes. Returns false,
-// having done nothing, for a B that is not FP8 and for more rows than above,
-// which the decoder then takes. Only to be called where Fp8TablesUsable().
+// having done nothing, for a B that is not FP8 and for more rows than
+// Fp8TableRows(), which the decoder then takes. Only to be called where Fp8TablesUsable().
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate);
 

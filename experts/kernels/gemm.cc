@@ -18,7 +18,6 @@
 #include <limits>
 #include <vector>
 
-#include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/internal/packed_kernels.h"
 
 namespace moefit::experts::kernels {
@@ -284,14 +283,16 @@ bool KeptCompact(const PackedKernels& kern, ElemType b_type, int64_t k_size, int
          n % kern.nr == 0;
 }
 
-// 4-byte panel slots of a pack of k_size x n: each k block's panels.
-int64_t PackSlots(const PackedKernels& kern, int64_t k_size, int64_t n) {
+// Floats (4-byte units) of a pack of k_size x n: each k block's panels,
+// a 4-byte slot each; compact, two bytes per slot.
+int64_t PackFloats(const PackedKernels& kern, ElemType b_type, int64_t k_size, int64_t n) {
   const int64_t panels = (n + kern.nr - 1) / kern.nr;
   int64_t slots = 0;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
     slots += panels * kern.nr * internal::PanelSlots(kern, std::min(kern.kb, k_size - k0));
   }
-  return slots;
+  // nr is even, so the compact bytes fill whole floats.
+  return KeptCompact(kern, b_type, k_size, n) ? slots / 2 : slots;
 }
 
 // The compact FP8 pack of b's k block [k0, k0 + kb): each panel's pair-rows
@@ -328,9 +329,7 @@ PackedB::PackedB(Isa isa, ElemType a_type, int64_t k_size, int64_t n, const Oper
   const int64_t panels = (n + kern.nr - 1) / kern.nr;
   const int64_t kb_full = std::min(kern.kb, k_size + (k_size & 1));
   block_slots_ = panels * kern.nr * internal::PanelSlots(kern, kb_full);
-  const int64_t slots = PackSlots(kern, k_size, n);
-  // Compact: a byte per bfloat16 value, two per slot (nr is even).
-  num_floats_ = compact_ ? slots / 2 : slots;
+  num_floats_ = PackFloats(kern, b.type, k_size, n);
   data_ = std::make_unique_for_overwrite<float[]>(static_cast<size_t>(num_floats_));
   if (n == 0) return;
   for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
@@ -349,8 +348,7 @@ int64_t PackedB::Bytes(Isa isa, ElemType a_type, int64_t k_size, int64_t n, Elem
   a_like.type = a_type;
   b_like.type = b_type;
   const PackedKernels& kern = Select(isa, a_like, b_like);
-  const int64_t bytes = PackSlots(kern, k_size, n) * static_cast<int64_t>(sizeof(float));
-  return KeptCompact(kern, b_type, k_size, n) ? bytes / 2 : bytes;
+  return PackFloats(kern, b_type, k_size, n) * static_cast<int64_t>(sizeof(float));
 }
 
 const float* PackedB::Block(int64_t k0, int64_t n0, float* scratch, int64_t k_block,
@@ -358,14 +356,9 @@ const float* PackedB::Block(int64_t k0, int64_t n0, float* scratch, int64_t k_bl
   const int64_t slots = internal::PanelSlots(*kern_, k_block);
   const int64_t block = k0 / kern_->kb, panel_offset = (n0 / kern_->nr) * kern_->nr * slots;
   if (!compact_) return data_.get() + block * block_slots_ + panel_offset;
-  const uint8_t* bytes =
-      reinterpret_cast<const uint8_t*>(data_.get()) + (block * block_slots_ + panel_offset) * 2;
-  if (internal::Fp8TablesUsable()) {
-    internal::ExpandFp8PairsByTables(kern_->k_pad_pairs, bytes, source_, k0, k_block, n0, n_block,
-                                     scratch);
-  } else {
-    kern_->expand_fp8(bytes, source_, k0, k_block, n0, n_block, scratch);
-  }
+  kern_->expand_fp8(
+      reinterpret_cast<const uint8_t*>(data_.get()) + (block * block_slots_ + panel_offset) * 2,
+      source_, k0, k_block, n0, n_block, scratch);
   return scratch;
 }
 

@@ -73,7 +73,8 @@ bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, c
                        const Output& c, bool accumulate);
 
 // PackedKernels::expand_fp8 of the pairs kernels (nr 32, pairs padded to a
-// multiple of k_pad_pairs) through the same tables: 64 bytes of a compact
+// multiple of k_pad_pairs; ExpandFp8Pairs hands its work here where the
+// tables are usable) through the same tables: 64 bytes of a compact
 // pack become 64 bfloat16 by byte permutes. A table holds RoundBf16F's
 // value where pack_b rounds with vcvtneps2bf16; the two differ only where
 // FP8 x scale is a float32 subnormal (that instruction makes it zero), and

@@ -87,11 +87,17 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
 // PackedKernels::expand_fp8 for PackBPairs<kNr, kPadPairs>'s panels: each
 // pair-row of a compact panel is kNr columns x (k, k + 1) bytes in the
 // panel's order, inside one scale block, so it converts as four runs of 16
-// through LoadBf16, as PackBPairs converts them.
+// through LoadBf16, as PackBPairs converts them -- or, where the CPU has
+// them, through the FP8 lookup tables (fp8_tables.h), as SmallRows<true>
+// streams its rows.
 template <int kNr, int kPadPairs>
 void ExpandFp8Pairs(const uint8_t* compact, const Operand& b, int64_t k0, int64_t k_size,
                     int64_t n0, int64_t n_size, void* out) {
   static_assert(kNr == 32, "four 16-byte runs per pair-row");
+  if (Fp8TablesUsable()) {
+    ExpandFp8PairsByTables(kPadPairs, compact, b, k0, k_size, n0, n_size, out);
+    return;
+  }
   constexpr ElemType kF8 = ElemType::kF8E4M3;
   const int64_t kp = k_size / 2;
   const int64_t kp_padded = (kp + kPadPairs - 1) / kPadPairs * kPadPairs;

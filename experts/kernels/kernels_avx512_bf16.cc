@@ -49,7 +49,7 @@ inline void MicroRows(int64_t k_size, const uint32_t* ap, const uint32_t* bp, fl
       acc1[r] = _mm512_dpbf16_ps(acc1[r], av, b1);
     }
   }
-  StoreRows32<kRows>(acc0, acc1, c, ldc, cols, accumulate);
+  StoreTwoVectorRows<kRows>(acc0, acc1, c, ldc, cols, accumulate);
 }
 
 void Micro(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,

@@ -103,6 +103,34 @@ inline void Transpose(VecF r[kVl]) {
   }
 }
 
+// Stores (or adds, when accumulating) kRows rows of two 8-lane halves into
+// C's first `cols` columns: whole rows directly, a partial block through a
+// tile.
+template <int kRows>
+inline void StoreTwoVectorRows(__m256 acc0[], __m256 acc1[], float* c, int64_t ldc, int cols,
+                               bool accumulate) {
+  if (cols == 2 * kVl) {
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      float* row = c + r * ldc;
+      if (accumulate) {
+        acc0[r] = _mm256_add_ps(acc0[r], _mm256_loadu_ps(row));
+        acc1[r] = _mm256_add_ps(acc1[r], _mm256_loadu_ps(row + kVl));
+      }
+      _mm256_storeu_ps(row, acc0[r]);
+      _mm256_storeu_ps(row + kVl, acc1[r]);
+    }
+    return;
+  }
+  float tile[kRows * 2 * kVl];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(tile + r * 2 * kVl, acc0[r]);
+    _mm256_storeu_ps(tile + r * 2 * kVl + kVl, acc1[r]);
+  }
+  StoreTile<2 * kVl>(tile, c, ldc, kRows, cols, accumulate);
+}
+
 #else
 using VecF = __m512;
 constexpr int kVl = 16;
@@ -146,10 +174,10 @@ inline VecF LoadF(const void* data, int64_t idx) {
 }
 
 // Stores (or adds, when accumulating) kRows rows of two 16-lane halves into
-// C's first `cols` columns, masking the tail: the 12 x 32 microkernels' end.
+// C's first `cols` columns, masking the tail.
 template <int kRows>
-inline void StoreRows32(__m512 acc0[], __m512 acc1[], float* c, int64_t ldc, int cols,
-                        bool accumulate) {
+inline void StoreTwoVectorRows(__m512 acc0[], __m512 acc1[], float* c, int64_t ldc, int cols,
+                               bool accumulate) {
   const __mmask16 m0 = cols >= 16 ? __mmask16(0xffff) : __mmask16((1u << cols) - 1);
   const __mmask16 m1 = cols >= 32  ? __mmask16(0xffff)
                        : cols > 16 ? __mmask16((1u << (cols - 16)) - 1)
@@ -210,6 +238,41 @@ inline VecF LoadWeightF(const void* data, int64_t idx, float s) {
   VecF w = LoadScaledF<T>(data, idx, s);
   if constexpr (kRoundFp8 && T == ElemType::kF8E4M3) w = RoundBf16F(w);
   return w;
+}
+
+// The float32 microkernel of the AVX2 and AVX-512 sets (packed_kernels.h's
+// micro): kRows <= kMr rows of an A panel times a B panel of two vectors of
+// columns (nr = 2 kVl), one FMA per row and vector at each k. A block of at
+// most kVl columns (a LoRA rank's) multiplies only the first vector.
+template <int kMr, int kRows, bool kWide>
+inline void MicroRowsF32(int64_t k_size, const float* ap, const float* bp, float* c, int64_t ldc,
+                         int cols, bool accumulate) {
+  constexpr int kNr = 2 * kVl;
+  VecF acc0[kRows], acc1[kRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) acc0[r] = acc1[r] = ZeroF();
+  for (int64_t k = 0; k < k_size; ++k) {
+    const VecF b0 = LoadPlainF(bp + k * kNr);
+    const VecF b1 = kWide ? LoadPlainF(bp + k * kNr + kVl) : b0;
+    const float* a = ap + k * kMr;
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) {
+      const VecF av = SetF(a[r]);
+      acc0[r] = FmaF(av, b0, acc0[r]);
+      if constexpr (kWide) acc1[r] = FmaF(av, b1, acc1[r]);
+    }
+  }
+  StoreTwoVectorRows<kRows>(acc0, acc1, c, ldc, cols, accumulate);
+}
+
+template <int kMr>
+void MicroF32(int64_t k_size, const void* a_panel, const void* b_panel, float* c, int64_t ldc,
+              int rows, int cols, bool accumulate) {
+  const auto* ap = static_cast<const float*>(a_panel);
+  const auto* bp = static_cast<const float*>(b_panel);
+  WithRowsAndWidth<kMr>(rows, cols > kVl, [&]<int R, bool kWide>() {
+    MicroRowsF32<kMr, R, kWide>(k_size, ap, bp, c, ldc, cols, accumulate);
+  });
 }
 
 // Float32 B panels of kNr columns (see packed_kernels.h), vectorised for the

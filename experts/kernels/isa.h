@@ -56,7 +56,7 @@ double Bf16PairSpeed();
 // "avx512_bf16 (weights widened to float32: vdpbf16ps at 0.49x the FMA's
 // multiply-adds per second)", and, where the set streams a few rows of FP8
 // weights through lookup tables, the rows up to which it does ("; FP8
-// lookup tables up to 6 rows in forward GEMMs, 6 in dX", measured on first
+// lookup tables up to 6 rows in forward GEMMs, 8 in dX", measured on first
 // use): what moefit prints at start-up.
 std::string IsaDescription(Isa isa);
 

@@ -50,6 +50,7 @@ at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) 
     const scalar_t* src = per_row.data_ptr<scalar_t>();
     scalar_t* dst = out.data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / (h * sizeof(Acc) + 1));
+    constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<Acc> acc(h);
       for (int64_t r = begin; r < end; ++r) {
@@ -58,8 +59,16 @@ at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) 
           const int64_t a = cp[r * f + j];
           if (a < 0) continue;
           const scalar_t* row = src + a * h;
-          for (int64_t i = 0; i < h; ++i) {
-            acc[i] = first ? static_cast<Acc>(row[i]) : acc[i] + static_cast<Acc>(row[i]);
+          // The copies lie in different experts' rows, anywhere in per_row:
+          // the next row's same copy is fetched while this one is read.
+          const int64_t next = r + 1 < rows ? cp[(r + 1) * f + j] : -1;
+          const scalar_t* ahead = next >= 0 ? src + next * h : nullptr;
+          for (int64_t i0 = 0; i0 < h; i0 += kLine) {
+            if (ahead != nullptr) __builtin_prefetch(ahead + i0);
+            const int64_t end = std::min(h, i0 + kLine);
+            for (int64_t i = i0; i < end; ++i) {
+              acc[i] = first ? static_cast<Acc>(row[i]) : acc[i] + static_cast<Acc>(row[i]);
+            }
           }
           first = false;
         }

@@ -14,8 +14,9 @@
 //     dispatcher (every expert local, nothing exchanged): it makes the same
 //     routing-weighted sum of each token's top-k outputs, which every MoE
 //     layer makes with or without expert parallelism and which, reading every
-//     expert output row once, is most of combine's time. The last ratio sets
-//     the bare exchange against what expert parallelism adds to that.
+//     expert output row once, is most of combine's time; it is timed again
+//     with its backward (identity experts). The last ratio sets the bare
+//     exchange against what expert parallelism adds to that.
 //  2. One training step of a small MoE model split into dense compute, expert
 //     compute and communication (time blocked in collectives), averaged over
 //     steps after a warm-up; with each MoE layer in 1 chunk (no pipelining),
@@ -183,6 +184,18 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
     if (!one_out.defined()) one_out = d.rows.index_select(0, d.row_index);
     at::Tensor back = (*one_process)->Combine(one_out, *d.route);
   });
+  // And with gradients: the sum's backward hands each expert row its token's
+  // gradient times the routing weight, and each routing weight the dot product
+  // of its expert row with that gradient.
+  const at::Tensor x_leaf = x.detach().requires_grad_(true);
+  const at::Tensor weight_leaf = weight.detach().requires_grad_(true);
+  const at::Tensor grad_out = at::randn({f.tokens, f.hidden}, gen, at::kFloat);
+  const double local_backward = time_it([&] {
+    c10::AutoGradMode grad_mode(true);
+    parallel::DispatchedRows d = (*one_process)->Dispatch(x_leaf, idx, weight_leaf);
+    at::Tensor back = (*one_process)->Combine(d.rows.index_select(0, d.row_index), *d.route);
+    back.backward(grad_out);
+  });
   if (sent_rows != same_bytes.send_rows) {
     parallel::AbortAll(1, "the dispatcher sent " + std::to_string(sent_rows) + " rows, expected " +
                               std::to_string(same_bytes.send_rows));
@@ -207,6 +220,7 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
     std::printf("  %-44s %9.2f ms\n", "  dispatch alone", dispatch_only * 1e3);
     std::printf("  %-44s %9.2f ms\n", "  combine alone", combine_only * 1e3);
     std::printf("  %-44s %9.2f ms\n", "one process, same tokens, nothing exchanged", local * 1e3);
+    std::printf("  %-44s %9.2f ms\n", "  the same, forward and backward", local_backward * 1e3);
     std::printf(
         "  bytes saved by deduplication: %.1f%% (%.3f GB per rank per layer round trip)\n",
         100.0 * (1.0 - static_cast<double>(same_bytes.send_rows) / undeduplicated.send_rows),

@@ -37,7 +37,9 @@ void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
   });
 }
 
-// out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`.
+// out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`,
+// one cache line at a time with the next member's source row prefetched (see
+// AddScaledRow).
 at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& scale_in,
                       at::ScalarType dtype) {
   const at::Tensor src = src_in.contiguous();
@@ -57,18 +59,45 @@ at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at
         const A* sc = scale.defined() ? scale.data_ptr<A>() : nullptr;
         ForRows(m_rows, h * static_cast<int64_t>(sizeof(O)), [&](int64_t m) {
           const S* from = in + (slot[m] / f) * h;
+          const S* ahead = m + 1 < m_rows ? in + (slot[m + 1] / f) * h : nullptr;
           O* to = res + m * h;
-          if (sc == nullptr && std::is_same_v<S, O>) {
-            std::memcpy(to, from, h * sizeof(O));
-          } else {
-            const A w = sc == nullptr ? A(1) : sc[slot[m]];
-            for (int64_t i = 0; i < h; ++i) to[i] = static_cast<O>(w * static_cast<A>(from[i]));
+          constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(S));
+          const A w = sc == nullptr ? A(1) : sc[slot[m]];
+          for (int64_t i0 = 0; i0 < h; i0 += kLine) {
+            if (ahead != nullptr) __builtin_prefetch(ahead + i0);
+            const int64_t end = std::min(h, i0 + kLine);
+            if (sc == nullptr && std::is_same_v<S, O>) {
+              std::memcpy(to + i0, from + i0, (end - i0) * sizeof(O));
+            } else {
+              for (int64_t i = i0; i < end; ++i)
+                to[i] = static_cast<O>(w * static_cast<A>(from[i]));
+            }
           }
         });
       });
     });
   });
   return out;
+}
+
+// to[i] = (first ? 0 : to[i]) + w * from[i] for i < n, one cache line of
+// `from` at a time, prefetching the same line of `ahead` (the row summed
+// next, or null). The rows summed one after another lie anywhere in src, each
+// a few pages long: the hardware prefetcher starts over on every new page and
+// row, and a read at memory speed needs the next row on its way before the
+// current one ends.
+template <typename S, typename A>
+void AddScaledRow(A* to, const S* from, A w, int64_t n, bool first, const S* ahead) {
+  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(S));
+  for (int64_t i0 = 0; i0 < n; i0 += kLine) {
+    if (ahead != nullptr) __builtin_prefetch(ahead + i0);
+    const int64_t end = std::min(n, i0 + kLine);
+    if (first) {
+      for (int64_t i = i0; i < end; ++i) to[i] = w * static_cast<A>(from[i]);
+    } else {
+      for (int64_t i = i0; i < end; ++i) to[i] += w * static_cast<A>(from[i]);
+    }
+  }
 }
 
 // out[p] = sum_j weight[p, j] * src[members[p, j]], in the accumulate type.
@@ -89,17 +118,14 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
       const A* wt = weight.defined() ? weight.data_ptr<A>() : nullptr;
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
         A* to = res + p * h;
+        // The next group's members are fetched while this group's are summed.
+        const int64_t* next = p + 1 < p_rows ? members + (p + 1) * f : nullptr;
         bool first = true;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
           if (m < 0) continue;
-          const S* from = in + m * h;
-          const A w = wt == nullptr ? A(1) : wt[p * f + j];
-          if (first) {
-            for (int64_t i = 0; i < h; ++i) to[i] = w * static_cast<A>(from[i]);
-          } else {
-            for (int64_t i = 0; i < h; ++i) to[i] += w * static_cast<A>(from[i]);
-          }
+          const S* ahead = next != nullptr && next[j] >= 0 ? in + next[j] * h : nullptr;
+          AddScaledRow(to, in + m * h, wt == nullptr ? A(1) : wt[p * f + j], h, first, ahead);
           first = false;
         }
         if (first) std::fill(to, to + h, A(0));
@@ -112,12 +138,14 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
 // Sum over i < n of a[i] * b[i] in A, in 16 interleaved partial sums (which
 // the compiler turns into vector lanes; a single running sum it must keep
 // scalar, in order).
+// `ahead` (or null): the row of src read next, prefetched as a is read.
 template <typename S, typename A>
-A DotRow(const S* a, const A* b, int64_t n) {
+A DotRow(const S* a, const A* b, int64_t n, const S* ahead) {
   constexpr int kLanes = 16;
   A part[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
+    if (ahead != nullptr) __builtin_prefetch(ahead + i);
     for (int l = 0; l < kLanes; ++l) part[l] += static_cast<A>(a[i + l]) * b[i + l];
   }
   for (int l = 0; i < n; ++i, ++l) part[l] += static_cast<A>(a[i]) * b[i];
@@ -142,9 +170,11 @@ at::Tensor WeightGrad(const at::Tensor& src_in, const RowRelation& rel, const at
       const A* g = grad.data_ptr<A>();
       A* res = out.data_ptr<A>();
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
+        const int64_t* next = p + 1 < p_rows ? members + (p + 1) * f : nullptr;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
-          res[p * f + j] = m < 0 ? A(0) : DotRow(in + m * h, g + p * h, h);
+          const S* ahead = next != nullptr && next[j] >= 0 ? in + next[j] * h : nullptr;
+          res[p * f + j] = m < 0 ? A(0) : DotRow(in + m * h, g + p * h, h, ahead);
         }
       });
     });

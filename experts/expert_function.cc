@@ -53,26 +53,34 @@ at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) 
     constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(scalar_t));
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
       std::vector<Acc> acc(h);
+      std::vector<const scalar_t*> next;
       for (int64_t r = begin; r < end; ++r) {
-        bool first = true;
+        // The copies lie in different experts' rows, anywhere in per_row, a
+        // few pages each, where the hardware prefetcher starts over: while
+        // row r's n copies are read a line at a time, copy c prefetches the
+        // same lines of row r + 1's copies c, c + n, ...
+        next.clear();
+        int64_t n = 0;
+        for (int64_t j = 0; j < f; ++j) {
+          n += cp[r * f + j] >= 0;
+          if (r + 1 < rows && cp[(r + 1) * f + j] >= 0)
+            next.push_back(src + cp[(r + 1) * f + j] * h);
+        }
+        int64_t c = 0;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t a = cp[r * f + j];
           if (a < 0) continue;
           const scalar_t* row = src + a * h;
-          // The copies lie in different experts' rows, anywhere in per_row:
-          // the next row's same copy is fetched while this one is read.
-          const int64_t next = r + 1 < rows ? cp[(r + 1) * f + j] : -1;
-          const scalar_t* ahead = next >= 0 ? src + next * h : nullptr;
           for (int64_t i0 = 0; i0 < h; i0 += kLine) {
-            if (ahead != nullptr) __builtin_prefetch(ahead + i0);
-            const int64_t end = std::min(h, i0 + kLine);
-            for (int64_t i = i0; i < end; ++i) {
-              acc[i] = first ? static_cast<Acc>(row[i]) : acc[i] + static_cast<Acc>(row[i]);
+            for (size_t q = c; q < next.size(); q += n) __builtin_prefetch(next[q] + i0);
+            const int64_t stop = std::min(h, i0 + kLine);
+            for (int64_t i = i0; i < stop; ++i) {
+              acc[i] = c == 0 ? static_cast<Acc>(row[i]) : acc[i] + static_cast<Acc>(row[i]);
             }
           }
-          first = false;
+          ++c;
         }
-        if (first) std::fill(acc.begin(), acc.end(), Acc(0));
+        if (c == 0) std::fill(acc.begin(), acc.end(), Acc(0));
         for (int64_t i = 0; i < h; ++i) dst[r * h + i] = static_cast<scalar_t>(acc[i]);
       }
     });

@@ -39,7 +39,7 @@ void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
 
 // out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`,
 // one cache line at a time with the next member's source row prefetched (see
-// AddScaledRow).
+// NextRows).
 at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& scale_in,
                       at::ScalarType dtype) {
   const at::Tensor src = src_in.contiguous();
@@ -80,17 +80,48 @@ at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at
   return out;
 }
 
-// to[i] = (first ? 0 : to[i]) + w * from[i] for i < n, one cache line of
-// `from` at a time, prefetching the same line of `ahead` (the row summed
-// next, or null). The rows summed one after another lie anywhere in src, each
-// a few pages long: the hardware prefetcher starts over on every new page and
-// row, and a read at memory speed needs the next row on its way before the
-// current one ends.
+// The rows a group sums lie anywhere in src, each a few pages long: the
+// hardware prefetcher starts over on every new page and row, and a read at
+// memory speed needs the next rows on their way before the current ones end.
+// So while group p's members are read, one cache line at a time, the same
+// lines of group p + 1's members are prefetched: p's c-th present member (of
+// n) takes p + 1's members c, c + n, c + 2n, ... (in either group the
+// members may sit in any of the f slots).
+template <typename S>
+class NextRows {
+ public:
+  static constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(S));
+
+  // Counts group p's present members and finds group p + 1's rows (none
+  // for the last group; the first kMaxRows: beyond them only the prefetch
+  // is lost).
+  NextRows(const int64_t* members, int64_t p, int64_t groups, int64_t f, const S* src, int64_t h) {
+    for (int64_t j = 0; j < f; ++j) present_ += members[p * f + j] >= 0;
+    if (p + 1 >= groups) return;
+    for (int64_t j = 0; j < f && num_rows_ < kMaxRows; ++j) {
+      const int64_t m = members[(p + 1) * f + j];
+      if (m >= 0) rows_[num_rows_++] = src + m * h;
+    }
+  }
+  // Prefetches the line at element i of the next rows assigned to member c.
+  void Fetch(int c, int64_t i) const {
+    for (int q = c; q < num_rows_; q += present_) __builtin_prefetch(rows_[q] + i);
+  }
+
+ private:
+  static constexpr int kMaxRows = 64;
+  const S* rows_[kMaxRows];
+  int num_rows_ = 0, present_ = 0;
+};
+
+// to[i] = (first ? 0 : to[i]) + w * from[i] for i < n, a cache line at a
+// time, prefetching the next rows of member c.
 template <typename S, typename A>
-void AddScaledRow(A* to, const S* from, A w, int64_t n, bool first, const S* ahead) {
-  constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(S));
+void AddScaledRow(A* to, const S* from, A w, int64_t n, bool first, const NextRows<S>& next,
+                  int c) {
+  constexpr int64_t kLine = NextRows<S>::kLine;
   for (int64_t i0 = 0; i0 < n; i0 += kLine) {
-    if (ahead != nullptr) __builtin_prefetch(ahead + i0);
+    next.Fetch(c, i0);
     const int64_t end = std::min(n, i0 + kLine);
     if (first) {
       for (int64_t i = i0; i < end; ++i) to[i] = w * static_cast<A>(from[i]);
@@ -118,17 +149,15 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
       const A* wt = weight.defined() ? weight.data_ptr<A>() : nullptr;
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
         A* to = res + p * h;
-        // The next group's members are fetched while this group's are summed.
-        const int64_t* next = p + 1 < p_rows ? members + (p + 1) * f : nullptr;
-        bool first = true;
+        const NextRows<S> next(members, p, p_rows, f, in, h);
+        int c = 0;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
           if (m < 0) continue;
-          const S* ahead = next != nullptr && next[j] >= 0 ? in + next[j] * h : nullptr;
-          AddScaledRow(to, in + m * h, wt == nullptr ? A(1) : wt[p * f + j], h, first, ahead);
-          first = false;
+          AddScaledRow(to, in + m * h, wt == nullptr ? A(1) : wt[p * f + j], h, c == 0, next, c);
+          ++c;
         }
-        if (first) std::fill(to, to + h, A(0));
+        if (c == 0) std::fill(to, to + h, A(0));
       });
     });
   });
@@ -137,15 +166,18 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
 
 // Sum over i < n of a[i] * b[i] in A, in 16 interleaved partial sums (which
 // the compiler turns into vector lanes; a single running sum it must keep
-// scalar, in order).
-// `ahead` (or null): the row of src read next, prefetched as a is read.
+// scalar, in order). a is member c of its group, prefetching for it from
+// `next`.
 template <typename S, typename A>
-A DotRow(const S* a, const A* b, int64_t n, const S* ahead) {
+A DotRow(const S* a, const A* b, int64_t n, const NextRows<S>& next, int c) {
   constexpr int kLanes = 16;
   A part[kLanes] = {};
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
-    if (ahead != nullptr) __builtin_prefetch(ahead + i);
+    constexpr int64_t kLine = NextRows<S>::kLine;
+    for (int64_t l = 0; l < kLanes; l += kLine) {  // once where a line holds kLanes
+      if ((i + l) % kLine == 0) next.Fetch(c, i + l);
+    }
     for (int l = 0; l < kLanes; ++l) part[l] += static_cast<A>(a[i + l]) * b[i + l];
   }
   for (int l = 0; i < n; ++i, ++l) part[l] += static_cast<A>(a[i]) * b[i];
@@ -170,11 +202,11 @@ at::Tensor WeightGrad(const at::Tensor& src_in, const RowRelation& rel, const at
       const A* g = grad.data_ptr<A>();
       A* res = out.data_ptr<A>();
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
-        const int64_t* next = p + 1 < p_rows ? members + (p + 1) * f : nullptr;
+        const NextRows<S> next(members, p, p_rows, f, in, h);
+        int c = 0;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
-          const S* ahead = next != nullptr && next[j] >= 0 ? in + next[j] * h : nullptr;
-          res[p * f + j] = m < 0 ? A(0) : DotRow(in + m * h, g + p * h, h, ahead);
+          res[p * f + j] = m < 0 ? A(0) : DotRow(in + m * h, g + p * h, h, next, c++);
         }
       });
     });

@@ -27,7 +27,8 @@
 //   mpirun -np 2 --oversubscribe build/benchmarks/dispatch_bench [--tokens=4096]
 //        [--hidden=2048] [--top_k=8] [--experts=32] [--reps=10] [--steps=6]
 //        [--max_chunks=4] [--progress_us=0]
-// --progress_us=N runs MPI's progress engine on a thread of its own every N
+// --steps=1 (or 0) skips the training step: its mean is over the steps after
+// the first. --progress_us=N runs MPI's progress engine on a thread of its own every N
 // microseconds while collectives are in flight (parallel.progress_thread_us).
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -314,7 +315,7 @@ int main(int argc, char** argv) {
   }
   try {
     DispatchVersusAlltoallv(*groups, f);
-    StepSplit(*groups, f);
+    if (f.steps > 1) StepSplit(*groups, f);
   } catch (const std::exception& e) {
     parallel::AbortAll(1, e.what());
   }

@@ -191,10 +191,10 @@ class TableReporter : public benchmark::ConsoleReporter {
     std::printf("CPU flags: %s; expert kernels: %s; host allocator: %s\n",
                 kernels::CpuFlags().c_str(), kernels::IsaDescription(kernels::ActiveIsa()).c_str(),
                 g_caching_allocator ? "caching" : "system");
-    std::printf("%-24s %10s %20s\n", "benchmark", "GFLOP/s", "vs fp32 GEMM");
+    std::printf("%-38s %10s %14s\n", "benchmark", "GFLOP/s", "vs fp32 GEMM");
     for (const auto& [name, rate] : rates_) {
       auto ceiling = rates_.find("gemm/fp32");
-      std::printf("%-24s %10.1f %20.2f\n", name.c_str(), rate,
+      std::printf("%-38s %10.1f %14.2f\n", name.c_str(), rate,
                   ceiling != rates_.end() && ceiling->second > 0 ? rate / ceiling->second : 0.0);
     }
     if (lora_.empty()) return;

@@ -67,7 +67,11 @@ at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at
             if (ahead != nullptr) __builtin_prefetch(ahead + i0);
             const int64_t end = std::min(h, i0 + kLine);
             if (sc == nullptr && std::is_same_v<S, O>) {
-              std::memcpy(to + i0, from + i0, (end - i0) * sizeof(O));
+              if (end - i0 == kLine) {  // a constant size: inlined as vector moves
+                std::memcpy(to + i0, from + i0, kLine * sizeof(O));
+              } else {
+                std::memcpy(to + i0, from + i0, (end - i0) * sizeof(O));
+              }
             } else {
               for (int64_t i = i0; i < end; ++i)
                 to[i] = static_cast<O>(w * static_cast<A>(from[i]));

@@ -153,6 +153,10 @@ class ExpertBackend {
                        const at::Tensor& activations, const BackwardOptions& options = {}) {
     return Backward(grad_y, x, at::Tensor(), counts, weights, activations, options);
   }
+
+  // Bytes of packed weights kept between calls now, within
+  // BackendOptions::packed_weight_bytes (0 for backends that keep none).
+  virtual int64_t kept_pack_bytes() const { return 0; }
 };
 
 }  // namespace moefit::experts

@@ -453,6 +453,7 @@ class GroupedBackend final : public ExpertBackend {
         fused_swiglu_(options.fused_swiglu) {}
 
   std::string_view name() const override { return "grouped"; }
+  int64_t kept_pack_bytes() const override { return packs_.bytes(); }
 
   using ExpertBackend::Backward;
   using ExpertBackend::Forward;

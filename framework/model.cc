@@ -115,8 +115,9 @@ MoeModel::~MoeModel() = default;
 absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& options,
                                                            const ModelRuntime& runtime,
                                                            uint64_t seed, WeightInit init) {
-  auto backend =
-      experts::CreateExpertBackend(runtime.expert_backend, {.num_threads = runtime.expert_threads});
+  auto backend = experts::CreateExpertBackend(
+      runtime.expert_backend,
+      {.num_threads = runtime.expert_threads, .packed_weight_bytes = runtime.expert_packed_bytes});
   if (!backend.ok()) return backend.status();
   ModelRuntime rt = runtime;
   if (rt.expert_group == nullptr) rt.expert_group = parallel::LocalCommunicator::Create("ep");
@@ -334,6 +335,8 @@ std::vector<Parameter> MoeModel::named_tensors() const {
   out.insert(out.end(), buffers_.begin(), buffers_.end());
   return out;
 }
+
+int64_t MoeModel::expert_pack_bytes() const { return backend_->kept_pack_bytes(); }
 
 std::vector<MoeModel::LinearSlot> MoeModel::LinearSlots() {
   std::vector<LinearSlot> slots;

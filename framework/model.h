@@ -76,6 +76,9 @@ struct ModelRuntime {
   Recompute recompute = Recompute::kNone;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count
+  // Bytes of expert weights the backend keeps packed between GEMMs
+  // (experts::BackendOptions::packed_weight_bytes).
+  int64_t expert_packed_bytes = int64_t{2} << 30;
   // Expert parallelism: the group of ranks that share one copy of the experts
   // (nullptr = this process alone) and how tokens reach them ("alltoall" or
   // "allgather", parallel/dispatcher.h).
@@ -206,6 +209,9 @@ class MoeModel {
   const ModelOptions& options() const { return options_; }
   const ModelRuntime& runtime() const { return runtime_; }
   const router::ExpertPlacement& placement() const { return placement_; }
+  // Bytes of expert weights the backend keeps packed now
+  // (ModelRuntime::expert_packed_bytes at most).
+  int64_t expert_pack_bytes() const;
 
  private:
   struct Layer;

@@ -70,6 +70,41 @@ TEST(Training, SameSeedSameLossSequence) {
   EXPECT_NE(Train(run)[0].loss, a[0].loss);
 }
 
+// experts.packed_weight_gb reaches the expert kernels: under LoRA the default
+// budget keeps the frozen experts' packs from the second step on, a budget of
+// 0 keeps none; the packs give the bits of packing per call.
+TEST(Training, PackedWeightBudgetReachesTheExpertKernels) {
+  auto train = [](const launch::RunConfig& run, int64_t* kept) {
+    auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
+    EXPECT_TRUE(data.ok()) << data.status();
+    auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
+    EXPECT_TRUE(model.ok()) << model.status();
+    Trainer trainer(**model, *data, run.train);
+    std::ostringstream log;
+    auto stats = trainer.Run(log);
+    EXPECT_TRUE(stats.ok()) << stats.status();
+    *kept = (*model)->expert_pack_bytes();
+    return *stats;
+  };
+  int64_t kept = 0, kept_none = -1;
+  std::vector<std::string> sets = {"train.steps=3",
+                                   "train.micro_batch_size=2",
+                                   "logging.metrics_file=",
+                                   "train.mode=lora",
+                                   "lora.rank=4",
+                                   "lora.alpha=8",
+                                   "lora.target_modules=[all-linear,experts]"};
+  const std::vector<StepStats> packed = train(Demo(sets), &kept);
+  sets.push_back("experts.packed_weight_gb=0");
+  const std::vector<StepStats> per_call = train(Demo(sets), &kept_none);
+  EXPECT_GT(kept, 0);
+  EXPECT_EQ(kept_none, 0);
+  for (size_t i = 0; i < packed.size(); ++i) {
+    EXPECT_EQ(packed[i].loss, per_call[i].loss) << "step " << i;
+    EXPECT_EQ(packed[i].grad_norm, per_call[i].grad_norm) << "step " << i;
+  }
+}
+
 TEST(Training, EagerAndGroupedBackendsGiveTheSameTrajectory) {
   launch::RunConfig run = Demo({"train.steps=3", "train.micro_batch_size=2", "logging.metrics_file="});
   std::vector<StepStats> grouped = Train(run);

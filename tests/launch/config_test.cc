@@ -294,6 +294,22 @@ TEST(Config, CollectiveDeadlines) {
             "parallel.startup_timeout_s = -5 must be a positive number of seconds");
 }
 
+TEST(Config, PackedWeightBudget) {
+  absl::StatusOr<RunConfig> defaults = Resolve("", {});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->runtime.expert_packed_bytes, int64_t{2} << 30);
+  absl::StatusOr<RunConfig> set = Resolve("", {"experts.packed_weight_gb=0.5"});
+  ASSERT_TRUE(set.ok()) << set.status();
+  EXPECT_EQ(set->runtime.expert_packed_bytes, int64_t{512} << 20);
+  absl::StatusOr<RunConfig> none = Resolve("", {"experts.packed_weight_gb=0"});
+  ASSERT_TRUE(none.ok()) << none.status();
+  EXPECT_EQ(none->runtime.expert_packed_bytes, 0);
+  EXPECT_EQ(ErrorOf("", {"experts.packed_weight_gb=-1"}),
+            "experts.packed_weight_gb = -1 must be >= 0 (GiB; 0: pack on every call)");
+  EXPECT_EQ(ErrorOf("", {"experts.packed_weight_gb=nan"}),
+            "experts.packed_weight_gb = nan must be >= 0 (GiB; 0: pack on every call)");
+}
+
 TEST(Config, DispatchPipelineAndProgressThread) {
   absl::StatusOr<RunConfig> defaults = Resolve("", {});
   ASSERT_TRUE(defaults.ok()) << defaults.status();

@@ -945,9 +945,10 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     return Invalid(absl::StrCat("experts.num_threads = ", e.num_threads(), " must be >= 0"));
   }
   run.runtime.expert_threads = e.num_threads();
-  if (!(e.packed_weight_gb() >= 0) || !std::isfinite(e.packed_weight_gb())) {
+  // Up to 1 PiB, so that the bytes fit an int64.
+  if (!(e.packed_weight_gb() >= 0 && e.packed_weight_gb() <= (1 << 20))) {
     return Invalid(absl::StrCat("experts.packed_weight_gb = ", e.packed_weight_gb(),
-                                " must be >= 0 (GiB; 0: pack on every call)"));
+                                " must be between 0 and 1048576 (GiB; 0: pack on every call)"));
   }
   run.runtime.expert_packed_bytes = static_cast<int64_t>(e.packed_weight_gb() * (int64_t{1} << 30));
 

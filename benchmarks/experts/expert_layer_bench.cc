@@ -14,9 +14,9 @@
 // fine-tuning (base weight gradients, no adapters), all three timed in turn in
 // each iteration; reported as ratios to the full step. These use
 // --lora_tokens=512 tokens (the other dimensions as above) so that the default
-// run stays short. The full step's weights are a copy of the base: both are
-// in the backend's budget of kept packs, --lora_packed_mb=2048 (as
-// experts.packed_weight_gb), which a float32 layer's two copies exceed.
+// run stays short. The full step's weights (a copy of the base, changed every
+// iteration) are packed per call; the frozen base is kept packed within
+// --lora_packed_mb=2048 MiB (as experts.packed_weight_gb).
 //
 // Where the kernels run avx512_bf16, bfloat16 and FP8 layers are timed again
 // in the form of its blocked path that this CPU did not choose (bfloat16

@@ -304,10 +304,15 @@ TEST(Config, PackedWeightBudget) {
   absl::StatusOr<RunConfig> none = Resolve("", {"experts.packed_weight_gb=0"});
   ASSERT_TRUE(none.ok()) << none.status();
   EXPECT_EQ(none->runtime.expert_packed_bytes, 0);
-  EXPECT_EQ(ErrorOf("", {"experts.packed_weight_gb=-1"}),
-            "experts.packed_weight_gb = -1 must be >= 0 (GiB; 0: pack on every call)");
-  EXPECT_EQ(ErrorOf("", {"experts.packed_weight_gb=nan"}),
-            "experts.packed_weight_gb = nan must be >= 0 (GiB; 0: pack on every call)");
+  // The value as given, and as the message prints it.
+  for (const auto& [bad, printed] : {std::pair<const char*, const char*>{"-1", "-1"},
+                                     {"nan", "nan"},
+                                     {"inf", "inf"},
+                                     {"2e6", "2e+06"}}) {
+    EXPECT_EQ(ErrorOf("", {std::string("experts.packed_weight_gb=") + bad}),
+              std::string("experts.packed_weight_gb = ") + printed +
+                  " must be between 0 and 1048576 (GiB; 0: pack on every call)");
+  }
 }
 
 TEST(Config, DispatchPipelineAndProgressThread) {

@@ -23,7 +23,8 @@ namespace {
 
 launch::RunConfig Demo(const std::vector<std::string>& sets) { return DemoRunConfig(sets); }
 
-std::vector<StepStats> Train(const launch::RunConfig& run) {
+// With kept_packs, the bytes of packed expert weights the model keeps at the end.
+std::vector<StepStats> Train(const launch::RunConfig& run, int64_t* kept_packs = nullptr) {
   auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
   EXPECT_TRUE(data.ok()) << data.status();
   auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
@@ -32,6 +33,7 @@ std::vector<StepStats> Train(const launch::RunConfig& run) {
   std::ostringstream log;
   auto stats = trainer.Run(log);
   EXPECT_TRUE(stats.ok()) << stats.status();
+  if (kept_packs != nullptr) *kept_packs = (*model)->expert_pack_bytes();
   return *stats;
 }
 
@@ -74,18 +76,6 @@ TEST(Training, SameSeedSameLossSequence) {
 // budget keeps the frozen experts' packs from the second step on, a budget of
 // 0 keeps none; the packs give the bits of packing per call.
 TEST(Training, PackedWeightBudgetReachesTheExpertKernels) {
-  auto train = [](const launch::RunConfig& run, int64_t* kept) {
-    auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
-    EXPECT_TRUE(data.ok()) << data.status();
-    auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
-    EXPECT_TRUE(model.ok()) << model.status();
-    Trainer trainer(**model, *data, run.train);
-    std::ostringstream log;
-    auto stats = trainer.Run(log);
-    EXPECT_TRUE(stats.ok()) << stats.status();
-    *kept = (*model)->expert_pack_bytes();
-    return *stats;
-  };
   int64_t kept = 0, kept_none = -1;
   std::vector<std::string> sets = {"train.steps=3",
                                    "train.micro_batch_size=2",
@@ -94,9 +84,9 @@ TEST(Training, PackedWeightBudgetReachesTheExpertKernels) {
                                    "lora.rank=4",
                                    "lora.alpha=8",
                                    "lora.target_modules=[all-linear,experts]"};
-  const std::vector<StepStats> packed = train(Demo(sets), &kept);
+  const std::vector<StepStats> packed = Train(Demo(sets), &kept);
   sets.push_back("experts.packed_weight_gb=0");
-  const std::vector<StepStats> per_call = train(Demo(sets), &kept_none);
+  const std::vector<StepStats> per_call = Train(Demo(sets), &kept_none);
   EXPECT_GT(kept, 0);
   EXPECT_EQ(kept_none, 0);
   for (size_t i = 0; i < packed.size(); ++i) {

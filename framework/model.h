@@ -26,13 +26,11 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "experts/expert_backend.h"
 #include "framework/lora.h"
 #include "framework/model_options.h"
 #include "router/expert_placement.h"
 
-namespace moefit::experts {
-class ExpertBackend;
-}
 namespace moefit::parallel {
 class Communicator;
 class Dispatcher;
@@ -76,9 +74,8 @@ struct ModelRuntime {
   Recompute recompute = Recompute::kNone;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count
-  // Bytes of expert weights the backend keeps packed between GEMMs
-  // (experts::BackendOptions::packed_weight_bytes).
-  int64_t expert_packed_bytes = int64_t{2} << 30;
+  // Bytes of expert weights the backend keeps packed between GEMMs.
+  int64_t expert_packed_bytes = experts::BackendOptions{}.packed_weight_bytes;
   // Expert parallelism: the group of ranks that share one copy of the experts
   // (nullptr = this process alone) and how tokens reach them ("alltoall" or
   // "allgather", parallel/dispatcher.h).

@@ -37,53 +37,6 @@ void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
   });
 }
 
-// out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`,
-// one cache line at a time with the next member's source row prefetched (see
-// NextRows).
-at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& scale_in,
-                      at::ScalarType dtype) {
-  const at::Tensor src = src_in.contiguous();
-  const int64_t h = src.size(1), f = rel.members.size(1), m_rows = rel.slot.size(0);
-  at::Tensor out = at::empty({m_rows, h}, src.options().dtype(dtype));
-  const int64_t* slot = rel.slot.data_ptr<int64_t>();
-  const at::ScalarType acc = AccumulateType(src.scalar_type(), dtype);
-  const at::Tensor scale = scale_in.defined() ? scale_in.to(acc).contiguous() : scale_in;
-  WithType(src.scalar_type(), [&](auto s) {
-    WithType(dtype, [&](auto o) {
-      WithType(acc, [&](auto a) {
-        using S = decltype(s);
-        using O = decltype(o);
-        using A = decltype(a);
-        const S* in = src.data_ptr<S>();
-        O* res = out.data_ptr<O>();
-        const A* sc = scale.defined() ? scale.data_ptr<A>() : nullptr;
-        ForRows(m_rows, h * static_cast<int64_t>(sizeof(O)), [&](int64_t m) {
-          const S* from = in + (slot[m] / f) * h;
-          const S* ahead = m + 1 < m_rows ? in + (slot[m + 1] / f) * h : nullptr;
-          O* to = res + m * h;
-          constexpr int64_t kLine = 64 / static_cast<int64_t>(sizeof(S));
-          const A w = sc == nullptr ? A(1) : sc[slot[m]];
-          for (int64_t i0 = 0; i0 < h; i0 += kLine) {
-            if (ahead != nullptr) __builtin_prefetch(ahead + i0);
-            const int64_t end = std::min(h, i0 + kLine);
-            if (sc == nullptr && std::is_same_v<S, O>) {
-              if (end - i0 == kLine) {  // a constant size: inlined as vector moves
-                std::memcpy(to + i0, from + i0, kLine * sizeof(O));
-              } else {
-                std::memcpy(to + i0, from + i0, (end - i0) * sizeof(O));
-              }
-            } else {
-              for (int64_t i = i0; i < end; ++i)
-                to[i] = static_cast<O>(w * static_cast<A>(from[i]));
-            }
-          }
-        });
-      });
-    });
-  });
-  return out;
-}
-
 // The rows a group sums lie anywhere in src, each a few pages long: the
 // hardware prefetcher starts over on every new page and row, and a read at
 // memory speed needs the next rows on their way before the current ones end.
@@ -117,6 +70,53 @@ class NextRows {
   const S* rows_[kMaxRows];
   int num_rows_ = 0, present_ = 0;
 };
+
+// out[m] = scale[slot[m]] * src[slot[m] / f] (scale undefined: 1), in `dtype`,
+// one cache line at a time with the next member's source row prefetched (see
+// NextRows).
+at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at::Tensor& scale_in,
+                      at::ScalarType dtype) {
+  const at::Tensor src = src_in.contiguous();
+  const int64_t h = src.size(1), f = rel.members.size(1), m_rows = rel.slot.size(0);
+  at::Tensor out = at::empty({m_rows, h}, src.options().dtype(dtype));
+  const int64_t* slot = rel.slot.data_ptr<int64_t>();
+  const at::ScalarType acc = AccumulateType(src.scalar_type(), dtype);
+  const at::Tensor scale = scale_in.defined() ? scale_in.to(acc).contiguous() : scale_in;
+  WithType(src.scalar_type(), [&](auto s) {
+    WithType(dtype, [&](auto o) {
+      WithType(acc, [&](auto a) {
+        using S = decltype(s);
+        using O = decltype(o);
+        using A = decltype(a);
+        const S* in = src.data_ptr<S>();
+        O* res = out.data_ptr<O>();
+        const A* sc = scale.defined() ? scale.data_ptr<A>() : nullptr;
+        ForRows(m_rows, h * static_cast<int64_t>(sizeof(O)), [&](int64_t m) {
+          const S* from = in + (slot[m] / f) * h;
+          const S* ahead = m + 1 < m_rows ? in + (slot[m + 1] / f) * h : nullptr;
+          O* to = res + m * h;
+          constexpr int64_t kLine = NextRows<S>::kLine;
+          const A w = sc == nullptr ? A(1) : sc[slot[m]];
+          for (int64_t i0 = 0; i0 < h; i0 += kLine) {
+            if (ahead != nullptr) __builtin_prefetch(ahead + i0);
+            const int64_t end = std::min(h, i0 + kLine);
+            if (sc == nullptr && std::is_same_v<S, O>) {
+              if (end - i0 == kLine) {  // a constant size: inlined as vector moves
+                std::memcpy(to + i0, from + i0, kLine * sizeof(O));
+              } else {
+                std::memcpy(to + i0, from + i0, (end - i0) * sizeof(O));
+              }
+            } else {
+              for (int64_t i = i0; i < end; ++i)
+                to[i] = static_cast<O>(w * static_cast<A>(from[i]));
+            }
+          }
+        });
+      });
+    });
+  });
+  return out;
+}
 
 // to[i] = (first ? 0 : to[i]) + w * from[i] for i < n, a cache line at a
 // time, prefetching the next rows of member c.

@@ -16,15 +16,18 @@
 // The read bandwidth is measured over a buffer of the same size (at least
 // 256 MB). Each format is timed twice: packing B in every call, and with
 // each weight packed ahead (a frozen weight's packs are kept across steps).
-// Where the kernels stream FP8 rows through lookup tables (bfloat16-pair sets
-// on CPUs with AVX-512 VBMI), those rows are timed again through the
-// arithmetic decoder the tables replace ("fp8-d"). On avx512_bf16, rows
-// beyond the streamed path are timed again in the form of its blocked path
-// this CPU did not choose ("bf16-w"/"fp8-w" widened, "-p" bfloat16 pairs).
+// Where the kernels read FP8 through lookup tables (bfloat16-pair sets on
+// CPUs with AVX-512 VBMI: streamed rows, and the blocked path's packs), those
+// rows are timed again through the arithmetic decoder the tables replace
+// ("fp8-d"). On avx512_bf16, rows beyond the streamed path are timed again in
+// the form of its blocked path this CPU did not choose ("bf16-w"/"fp8-w"
+// widened, "-p" bfloat16 pairs). With --blocked, streamed rows are timed
+// again on the blocked path ("-b").
 //
 // Flags: --hidden=2048 --inter=768 --rows=1,16,64,256,1024 --experts=N
 // --isa=simd|all|<name> (default simd: every vector set the CPU has; all adds
-// the portable kernels) --seconds=0.3 (per measurement; medians of three).
+// the portable kernels) --seconds=0.3 (per measurement; medians of three)
+// --blocked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <unistd.h>
@@ -53,6 +56,7 @@ struct Flags {
   std::vector<int64_t> rows = {1, 16, 64, 256, 1024};
   std::string isa = "simd";
   double seconds = 0.3;
+  bool blocked = false;
 };
 
 // Median over three runs of the mean time of fn() over ~seconds.
@@ -193,6 +197,8 @@ Flags Parse(int argc, char** argv) {
       f.isa = v;
     } else if (const char* v = value("--seconds=")) {
       f.seconds = std::atof(v);
+    } else if (a == "--blocked") {
+      f.blocked = true;
     } else if (const char* v = value("--rows=")) {
       f.rows.clear();
       for (const char* p = v; *p;) {
@@ -307,38 +313,49 @@ int main(int argc, char** argv) {
         Rows& r = rows[ri];
         const int64_t m = r.m;
         int64_t e_run = 0;
-        auto fwd_dx = [&](int64_t e) {
+        auto fwd_dx = [&](int64_t e, RowPath path = RowPath::kAuto) {
           Gemm(isa, m, 2 * I, H, RowMajor(r.x),
-               WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type), Out(r.gu), false);
+               WeightOperand(w.gate_up, w.gate_up_scale, e, true, w.type), Out(r.gu), false, path);
           Gemm(isa, m, H, I, RowMajor(r.h), WeightOperand(w.down, w.down_scale, e, true, w.type),
-               Out(r.dx), false);
+               Out(r.dx), false, path);
           Gemm(isa, m, I, H, RowMajor(r.dy), WeightOperand(w.down, w.down_scale, e, false, w.type),
-               Out(r.dh), false);
+               Out(r.dh), false, path);
           Gemm(isa, m, H, 2 * I, RowMajor(r.dgu),
-               WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type), Out(r.dx), false);
+               WeightOperand(w.gate_up, w.gate_up_scale, e, false, w.type), Out(r.dx), false, path);
         };
         const double t = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
         // The same with each weight packed ahead (PackedB), as the expert
         // layer keeps the packs of a frozen weight from one step to the next.
-        auto fwd_dx_kept = [&] {
+        auto fwd_dx_kept = [&](RowPath path = RowPath::kAuto) {
           const PackedB* p = &kept[4 * (e_run++ % num_kept)];
-          Gemm(isa, m, RowMajor(r.x), p[0], Out(r.gu), false);
-          Gemm(isa, m, RowMajor(r.h), p[1], Out(r.dx), false);
-          Gemm(isa, m, RowMajor(r.dy), p[2], Out(r.dh), false);
-          Gemm(isa, m, RowMajor(r.dgu), p[3], Out(r.dx), false);
+          Gemm(isa, m, RowMajor(r.x), p[0], Out(r.gu), false, path);
+          Gemm(isa, m, RowMajor(r.h), p[1], Out(r.dx), false, path);
+          Gemm(isa, m, RowMajor(r.dy), p[2], Out(r.dh), false, path);
+          Gemm(isa, m, RowMajor(r.dgu), p[3], Out(r.dx), false, path);
         };
-        const double t_kept = TimeIt(fwd_dx_kept, f.seconds);
-        // Streamed FP8 rows through the lookup tables: the arithmetic decoder
-        // they replace, timed in the same run as their baseline.
-        const bool tables = w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) &&
-                            internal::Fp8TablesUsable() &&
-                            m <= std::max(internal::Fp8TableRows().k_contiguous,
-                                          internal::Fp8TableRows().n_contiguous);
+        const double t_kept = TimeIt([&] { fwd_dx_kept(); }, f.seconds);
+        // Rows the layer streams, timed again on the blocked path (packing
+        // per call, and packed ahead): where one overtakes the other.
+        const bool also_blocked = f.blocked && m <= kMaxStreamedRows;
+        double t_blocked = 0, t_blocked_kept = 0;
+        if (also_blocked) {
+          t_blocked = TimeIt([&] { fwd_dx(e_run++ % w.experts, RowPath::kBlocked); }, f.seconds);
+          t_blocked_kept = TimeIt([&] { fwd_dx_kept(RowPath::kBlocked); }, f.seconds);
+        }
+        // FP8 rows through the lookup tables (streamed, or packed per call and
+        // expanded from kept packs on the bfloat16-pairs kernels): the
+        // arithmetic decoder they replace, timed in the same run as their
+        // baseline.
+        const bool fp8_tables =
+            w.type == ElemType::kF8E4M3 && MultipliesInBf16(isa) && internal::Fp8TablesUsable();
+        const bool tables = fp8_tables && (m <= std::max(internal::Fp8TableRows().k_contiguous,
+                                                         internal::Fp8TableRows().n_contiguous) ||
+                                           (m > kMaxStreamedRows && MultipliesBf16Pairs(isa)));
         double t_decoder = 0, t_decoder_kept = 0;
         if (tables) {
           internal::SetFp8TablesEnabled(false);
           t_decoder = TimeIt([&] { fwd_dx(e_run++ % w.experts); }, f.seconds);
-          t_decoder_kept = TimeIt(fwd_dx_kept, f.seconds);
+          t_decoder_kept = TimeIt([&] { fwd_dx_kept(); }, f.seconds);
           internal::SetFp8TablesEnabled(true);
         }
         // avx512_bf16's blocked path in the form this CPU did not choose
@@ -382,6 +399,9 @@ int main(int argc, char** argv) {
         };
         add_line(TypeName(w.type), t, t_kept);
         if (tables) add_line("fp8-d", t_decoder, t_decoder_kept);
+        if (also_blocked) {
+          add_line(std::string(TypeName(w.type)) + "-b", t_blocked, t_blocked_kept);
+        }
         if (other_form) {
           add_line(std::string(TypeName(w.type)) + (chosen_pairs ? "-w" : "-p"), t_other, 0);
         }
@@ -406,8 +426,11 @@ int main(int argc, char** argv) {
       "packs are kept across steps; up to 8 rows stream the weight unpacked either way),\n"
       "and its ratio to the same memory floor.\n"
       "fp8-d: the FP8 rows above them again, through the arithmetic decoder instead of\n"
-      "the per-block lookup tables (AVX-512 VBMI; the same bits), which take the\n"
-      "forward GEMMs up to %lld rows and the dX ones up to %lld here (measured).\n"
+      "the per-block lookup tables (AVX-512 VBMI; the same bits), which stream the\n"
+      "forward GEMMs up to %lld rows and the dX ones up to %lld here (measured), and\n"
+      "on bfloat16-pair kernels pack the weight per call and expand kept packs.\n"
+      "fp8-b, bf16-b, fp32-b (--blocked): the streamed rows above them again on the\n"
+      "blocked path, packing per call and (kept) packed ahead.\n"
       "bf16-w, fp8-w (bf16-p, fp8-p): on avx512_bf16, the rows above them again with the\n"
       "weights widened to float32 (multiplied as bfloat16 pairs), the form this CPU did not\n"
       "choose (%s), packing per call.\n",

@@ -343,6 +343,83 @@ void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Opera
   }
 }
 
+int64_t PackFp8PairsByTables(int k_pad_pairs, const Operand& b, int64_t k0, int64_t k_size,
+                             int64_t n0, int64_t panels, void* out) {
+  constexpr int64_t kNr = 32;
+  const bool n_contiguous = b.col_stride == 1;
+  if (b.type != ElemType::kF8E4M3 || panels <= 0 || n0 % kNr != 0 || k0 % 2 != 0) return 0;
+  if (!n_contiguous && (b.row_stride != 1 || k0 % 64 != 0)) return 0;
+  const int64_t k_done = n_contiguous ? k_size / 2 * 2 : k_size / 64 * 64;
+  if (k_done == 0) return 0;
+  const int64_t kp = (k_size + 1) / 2;
+  const int64_t kp_padded = (kp + k_pad_pairs - 1) / k_pad_pairs * k_pad_pairs;
+  // The tables of the scale blocks from the one holding (k0, n0).
+  const int64_t k_base = k0 / kScaleBlock * kScaleBlock;
+  const int64_t j_base = n0 / kScaleBlock * kScaleBlock;
+  Operand from = b;
+  from.scales +=
+      (k_base / kScaleBlock) * b.scale_row_stride + (j_base / kScaleBlock) * b.scale_col_stride;
+  thread_local Tables tables;
+  tables.Make(from, k0 + k_size - k_base, n0 + panels * kNr - j_base);
+  const Interleave mix = MakeInterleave();
+  const auto* bytes = static_cast<const uint8_t*>(b.data);
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t col0 = n0 + p * kNr;
+    auto* o = static_cast<uint8_t*>(out) + p * kp_padded * kNr * 4;
+    if (n_contiguous) {
+      // Byte 2c of the permuted vector is row k's column c, byte 2c + 1 row
+      // k + 1's: the compact packs' pair-row order.
+      alignas(64) uint8_t order[64];
+      for (int c = 0; c < 32; ++c) {
+        order[2 * c] = static_cast<uint8_t>(c);
+        order[2 * c + 1] = static_cast<uint8_t>(64 + c);
+      }
+      const __m512i pairs = _mm512_load_si512(order);
+      for (int64_t q = 0; 2 * q < k_done;) {
+        // One scale block's pair-rows (k0 is even, so no pair straddles two).
+        const int64_t k_block = k0 + 2 * q - k_base;
+        const Planes planes = LoadPlanes(tables.At(k_block, col0 - j_base));
+        const int64_t q_end =
+            MinI(k_done, k_block / kScaleBlock * kScaleBlock + kScaleBlock + k_base - k0) / 2;
+        for (; q < q_end; ++q) {
+          const uint8_t* row = bytes + (k0 + 2 * q) * b.row_stride + col0;
+          const __m512i even =
+              _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+          const __m512i odd = _mm512_castsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b.row_stride)));
+          const Looked v = LookUpBytes(planes, _mm512_permutex2var_epi8(even, pairs, odd));
+          _mm512_storeu_si512(o + q * kNr * 4, _mm512_permutex2var_epi8(v.lo, mix.idx[0], v.hi));
+          _mm512_storeu_si512(o + q * kNr * 4 + 64,
+                              _mm512_permutex2var_epi8(v.lo, mix.idx[1], v.hi));
+        }
+      }
+      continue;
+    }
+    for (int64_t k = 0; k < k_done; k += 64) {
+      const Planes planes = LoadPlanes(tables.At(k0 + k - k_base, col0 - j_base));
+      for (int64_t v = 0; v < kNr; v += 16) {
+        // Column j's 64 values as 32 bfloat16 pairs: pairs 0-15 in first[j],
+        // 16-31 in second[j]; transposed, vector t holds pair t of all 16.
+        VecF first[16], second[16];
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t* col = bytes + (col0 + v + j) * b.col_stride + k0 + k;
+          const Looked w = LookUpBytes(planes, _mm512_loadu_si512(col));
+          first[j] = _mm512_castsi512_ps(_mm512_permutex2var_epi8(w.lo, mix.idx[0], w.hi));
+          second[j] = _mm512_castsi512_ps(_mm512_permutex2var_epi8(w.lo, mix.idx[1], w.hi));
+        }
+        Transpose(first);
+        Transpose(second);
+        auto* pair_rows = reinterpret_cast<float*>(o) + (k / 2) * kNr + v;
+        for (int t = 0; t < 16; ++t) {
+          _mm512_storeu_ps(pair_rows + t * kNr, first[t]);
+          _mm512_storeu_ps(pair_rows + (16 + t) * kNr, second[t]);
+        }
+      }
+    }
+  }
+  return k_done;
+}
+
 bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                        const Output& c, bool accumulate) {
   if (b.type != ElemType::kF8E4M3) return false;

@@ -719,6 +719,59 @@ TEST(Gemm, CompactFp8PacksMultiplyAsPackingPerCall) {
   }
 }
 
+// The blocked path's per-call packing of an FP8 weight through the lookup
+// tables gives the values of the arithmetic decoder's packing: both pairs
+// kernels, both layouts, several k blocks, k not a multiple of 64 (the tables
+// take what they can, the decoder the rest), a last panel of fewer than 32
+// columns, column blocks after the first (n above 512), scales whose
+// products are float32 subnormals, huge or negative ones, NaN bytes. And the
+// tables do take the whole panels, up to the k they say.
+TEST(Gemm, Fp8PerCallPacksByTablesMultiplyAsTheDecoders) {
+  if (!internal::Fp8TablesUsable()) {
+    GTEST_SKIP() << "no AVX-512 VBMI on this CPU (" << CpuFlags()
+                 << "); the tables run on CPUs that have it";
+  }
+  struct Shape {
+    int64_t k, n;
+  };
+  const Shape shapes[] = {{1030, 96}, {300, 160}, {64, 32}, {257, 77}, {130, 600}};
+  int64_t compared = 0;
+  for (const Isa isa : {Isa::kAvx512Bf16, Isa::kAmxBf16}) {
+    if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+    internal::SetBf16Pairs(true);
+    for (const Shape& shape : shapes) {
+      for (const bool transposed : {true, false}) {
+        const OddFp8 w =
+            MakeOddFp8(shape.k, shape.n, transposed, /*nan_bytes=*/true, shape.k + 5 * shape.n);
+        const Operand& b = w.op;
+        const int64_t panels = shape.n / 32;
+        std::vector<float> pack(static_cast<size_t>((panels + 1) * 32 * (shape.k + 32)));
+        const int64_t want_k = transposed ? shape.k / 64 * 64 : shape.k / 2 * 2;
+        EXPECT_EQ(internal::PackFp8PairsByTables(16, b, 0, shape.k, 0, panels, pack.data()),
+                  panels > 0 ? want_k : 0);
+        for (const int64_t m : {9, 40}) {
+          SCOPED_TRACE(::testing::Message() << IsaName(isa) << " k " << shape.k << " n " << shape.n
+                                            << " Wᵀ " << transposed << " m " << m);
+          Stored a = MakeOperand(m, shape.k, ElemType::kF32, false, 70 + m);
+          at::Tensor by_tables = at::zeros({m, shape.n}), by_decoder = at::zeros({m, shape.n});
+          Gemm(isa, m, shape.n, shape.k, a.op, b,
+               Output{by_tables.data_ptr(), ElemType::kF32, shape.n}, false, RowPath::kBlocked);
+          internal::SetFp8TablesEnabled(false);
+          Gemm(isa, m, shape.n, shape.k, a.op, b,
+               Output{by_decoder.data_ptr(), ElemType::kF32, shape.n}, false, RowPath::kBlocked);
+          internal::SetFp8TablesEnabled(true);
+          EXPECT_TRUE(SameValues(by_tables, by_decoder));
+          ++compared;
+        }
+      }
+    }
+    internal::SetBf16Pairs(std::nullopt);
+  }
+  if (compared == 0) {
+    GTEST_SKIP() << "no AVX-512 BF16 on this CPU (" << CpuFlags() << ")";
+  }
+}
+
 // A bfloat16 output is the float32 result rounded to nearest even, as c10
 // rounds, on every instruction set's float32 kernels (the bfloat16-pairs
 // kernels of avx512_bf16 and amx_bf16 store with the same AVX-512 function):

@@ -14,7 +14,8 @@
 // each 64 bytes of weight become 64 floats by byte permutes (vpermt2b).
 //
 // The same tables expand the compact packs that keep FP8 weights for the
-// blocked path (ExpandFp8PairsByTables, below).
+// blocked path (ExpandFp8PairsByTables, below) and make that path's packs of
+// an FP8 weight that is not kept, call by call (PackFp8PairsByTables).
 //
 // StreamFp8ByTables gives SmallRows<true>'s bits exactly: every element of C
 // is summed in the same order, from the same weight values, with the same
@@ -82,5 +83,21 @@ bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, c
 // Only to be called where Fp8TablesUsable().
 void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Operand& b, int64_t k0,
                             int64_t k_size, int64_t n0, int64_t n_size, void* out);
+
+// PackBPairs' panels (pack_pairs_avx512.h: nr 32, pairs padded to a
+// multiple of k_pad_pairs) of an FP8 B through the same tables, the same
+// GEMM bits (as for ExpandFp8PairsByTables): the first `panels` whole
+// panels of columns from n0 (a multiple of 32), their pairs from k0 up to
+// the k value returned, which the caller packs on from (with the padding):
+//   n-contiguous B: every whole pair (k_size rounded down to even); two
+//     rows' 32 bytes interleaved by one byte permute, then looked up;
+//   k-contiguous B (k0 a multiple of 64): runs of 64, each inside one scale
+//     block: 16 columns' 64 bytes looked up, then two 16 x 16 transposes of
+//     bfloat16 pairs.
+// Returns 0, having done nothing, for other layouts. Where the pack was
+// made per call by the arithmetic decoder, the blocked path at a few rows
+// ran slower than streaming. Only to be called where Fp8TablesUsable().
+int64_t PackFp8PairsByTables(int k_pad_pairs, const Operand& b, int64_t k0, int64_t k_size,
+                             int64_t n0, int64_t panels, void* out);
 
 }  // namespace moefit::experts::kernels::internal

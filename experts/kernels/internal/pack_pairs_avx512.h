@@ -22,7 +22,9 @@ inline __m256i LoadBf16(const void* data, int64_t idx, float s) {
 
 // bfloat16-pair B panels of kNr columns, vectorised for the n-contiguous
 // layout (two rows interleaved) and the k-contiguous one (a column's pairs
-// are consecutive 32-bit words: 16 x 16 word transposes). Each panel holds
+// are consecutive 32-bit words: 16 x 16 word transposes); an FP8 B's whole
+// panels through the lookup tables where the CPU has them (fp8_tables.h),
+// up to the k they take. Each panel holds
 // its pairs rounded up to a multiple of kPadPairs, the rows past the block
 // zero (AMX multiplies whole 16-pair tiles).
 template <int kNr, int kPadPairs>
@@ -35,10 +37,18 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
   const __m512i interleave =
       _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                        21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  // An FP8 B's whole panels through the lookup tables, up to table_k.
+  int64_t table_panels = 0, table_k = 0;
+  if (b.type == ElemType::kF8E4M3 && Fp8TablesUsable()) {
+    table_panels = n_size / kNr;
+    table_k = PackFp8PairsByTables(kPadPairs, b, k0, k_size, n0, table_panels, out);
+    if (table_k == 0) table_panels = 0;
+  }
   DispatchType(b.type, [&]<ElemType T>() {
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t col0 = n0 + p * kNr;
       const int64_t cols = MinI(kNr, n_size - p * kNr);
+      const int64_t k_start = p < table_panels ? table_k : 0;
       uint32_t* o = static_cast<uint32_t*>(out) + p * kp_padded * kNr;
       std::memset(o + kp * kNr, 0, (kp_padded - kp) * kNr * sizeof(uint32_t));
       if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1)) {
@@ -46,7 +56,7 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
         continue;
       }
       if (b.col_stride == 1) {
-        int64_t q = 0;
+        int64_t q = k_start / 2;
         for (; 2 * q + 1 < k_size; ++q) {
           const int64_t k = k0 + 2 * q;
           const float s0 = Scale<T>(b, k, col0), s1 = Scale<T>(b, k + 1, col0);
@@ -62,7 +72,7 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
       }
       // k-contiguous: chunks of 32 k-values (16 pairs), each inside one
       // 128-row scale block.
-      int64_t k = 0;
+      int64_t k = k_start;
       for (; k + 32 <= k_size; k += 32) {
         for (int v = 0; v < kNr; v += 16) {
           const float s = Scale<T>(b, k0 + k, col0 + v);

@@ -294,6 +294,68 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
   }
 }
 
+// Whether two tensors hold the same bytes.
+bool SameBits(const at::Tensor& x, const at::Tensor& y) {
+  const at::Tensor a = x.contiguous(), b = y.contiguous();
+  return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
+}
+
+// A few rows (up to 32) take the blocked path in column strips packed over
+// the whole reduction; more rows take the block loop. A row's result is the
+// same either way: the first rows of a taller call, bit for bit, for every
+// weight type and layout, several k blocks and strips, a short last panel,
+// a bfloat16 output, accumulation, rows read by index, and packs kept ahead.
+TEST_P(GemmOnIsa, FewRowsGiveTheBitsOfTallerCalls) {
+  struct StripCase {
+    int64_t n, k;
+    ElemType a_type, b_type;
+    bool b_transposed;
+    ElemType out_type;
+    bool accumulate;
+  };
+  const StripCase cases[] = {
+      {700, 1100, ElemType::kF32, ElemType::kF32, true, ElemType::kF32, false},
+      {700, 1100, ElemType::kF32, ElemType::kF32, false, ElemType::kF32, true},
+      {333, 2100, ElemType::kBF16, ElemType::kBF16, true, ElemType::kBF16, false},
+      {1030, 600, ElemType::kF32, ElemType::kBF16, false, ElemType::kF32, true},
+      {640, 1030, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, false},
+      {300, 1030, ElemType::kBF16, ElemType::kF8E4M3, false, ElemType::kBF16, true},
+  };
+  constexpr int64_t kTall = 80;
+  uint64_t seed = 900;
+  for (const StripCase& c : cases) {
+    Stored a = MakeOperand(kTall, c.k, c.a_type, false, seed++);
+    Stored b = MakeOperand(c.k, c.n, c.b_type, c.b_transposed, seed++);
+    const PackedB packed(isa(), c.a_type, c.k, c.n, b.op);
+    const at::Tensor prior = at::randn({kTall, c.n}).to(TorchType(c.out_type));
+    at::Tensor tall = prior.clone();
+    Gemm(isa(), kTall, c.n, c.k, a.op, b.op, Output{tall.data_ptr(), c.out_type, c.n}, c.accumulate,
+         RowPath::kBlocked);
+    for (const int64_t m : {9, 17, 32}) {
+      SCOPED_TRACE(Describe(isa(), {m, c.n, c.k, c.a_type, c.b_type, false, c.b_transposed,
+                                    c.out_type, c.accumulate}));
+      at::Tensor got = prior.narrow(0, 0, m).clone(), kept = got.clone();
+      Gemm(isa(), m, c.n, c.k, a.op, b.op, Output{got.data_ptr(), c.out_type, c.n}, c.accumulate,
+           RowPath::kBlocked);
+      EXPECT_TRUE(SameBits(got, tall.narrow(0, 0, m)));
+      Gemm(isa(), m, a.op, packed, Output{kept.data_ptr(), c.out_type, c.n}, c.accumulate,
+           RowPath::kBlocked);
+      EXPECT_TRUE(SameBits(kept, tall.narrow(0, 0, m)));
+      // The same rows read by index from the tall A, in reverse order.
+      if (c.a_type != ElemType::kF8E4M3) {
+        std::vector<int64_t> index(static_cast<size_t>(m));
+        for (int64_t i = 0; i < m; ++i) index[i] = m - 1 - i;
+        Operand by_index = a.op;
+        by_index.row_index = index.data();
+        at::Tensor reversed = prior.narrow(0, 0, m).flip(0).contiguous();
+        Gemm(isa(), m, c.n, c.k, by_index, b.op, Output{reversed.data_ptr(), c.out_type, c.n},
+             c.accumulate, RowPath::kBlocked);
+        EXPECT_TRUE(SameBits(reversed.flip(0), tall.narrow(0, 0, m)));
+      }
+    }
+  }
+}
+
 // Where the kernels multiply bfloat16 pairs, an FP8 weight's pack keeps its
 // byte per element (half a bfloat16 pack) when it fills whole panels and
 // pairs; elsewhere, and off that grid, it takes the bfloat16 pack's size.

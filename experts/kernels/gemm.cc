@@ -5,7 +5,9 @@
 // rows A's block is packed and the microkernel runs over every (column panel,
 // row panel) pair, a B panel staying in L1 while the A panels stream past it.
 // With nb covering the whole of an expert's output width, each weight element
-// is read and converted once per call, whatever the number of rows.
+// is read and converted once per call, whatever the number of rows. A few
+// rows take narrow column blocks (strips) instead, with A packed once for all
+// k blocks (see kStripMaxRows).
 #include "experts/kernels/gemm.h"
 
 #include <c10/util/BFloat16.h>
@@ -126,91 +128,20 @@ void CheckOperand(const Operand& op, const char* name) {
               " cannot be read by row index");
 }
 
-// Writes the float32 block of a bfloat16 output's columns [n0, n0 + nb).
-void StoreBufferedColumns(const PackedKernels& kern, int64_t m, int64_t n0, int64_t nb,
-                          const float* cbuf, int64_t ldc, const Output& c, bool accumulate) {
-  for (int64_t i = 0; i < m; ++i) {
-    uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
-    kern.store_bf16(cbuf + i * ldc, out, nb, accumulate);
-  }
-}
-
-// The blocked path for a few rows (m <= kStripMaxRows): B in strips of
-// columns packed over the whole reduction at once, every k block of a strip
-// before its microkernels run, A packed once for all k blocks. Per k block
-// the same microkernel calls on the same panels as Blocked below, in the
-// same k order for each element of C: the same bits. What differs is how B
-// is read: a k-contiguous weight (Wᵀ) a strip's columns at a time along
+// A few rows (m <= kStripMaxRows) take B in strips of columns that each
+// run along the whole reduction before the next starts, with A packed once
+// for all k blocks (instead of once per strip and block). Per k block the
+// same microkernel calls on the same panels as with wide column blocks, in
+// the same k order for each element of C: the same bits. What differs is how
+// B is read: a k-contiguous weight (Wᵀ) a strip's columns at a time along
 // their whole length, instead of 256-value runs of 512 columns at once,
 // which read memory at about half a sequential pass's speed. On one Zen 4
 // core (expert_kernel_bench, 12-32 rows, old and new builds interleaved)
 // forward + dX ran 10-25% faster in float32 and bfloat16, FP8 about the same.
 constexpr int64_t kStripMaxRows = 32;
-// A strip's packed bytes (all of k; at least one panel): it stays in L2,
-// beside the weight lines being read, while its microkernels read it.
+// A strip's packed bytes over all of k (at least one panel): narrow enough
+// that its columns are read together, one k block of it in L2 at a time.
 constexpr int64_t kStripBytes = int64_t{128} << 10;
-
-template <typename BBlockAt>
-void BlockedStrips(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size,
-                   const Operand& a, const Output& c, bool accumulate, const BBlockAt& b_block_at) {
-  Workspace& ws = ThreadWorkspace();
-  auto k_slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
-  const int64_t num_kb = (k_size + kern.kb - 1) / kern.kb;
-  // Slots of one row (A) or column (B) over all k blocks, and where block
-  // kb_i starts among them.
-  std::vector<int64_t> slot_start(static_cast<size_t>(num_kb) + 1, 0);
-  for (int64_t i = 0; i < num_kb; ++i) {
-    slot_start[i + 1] = slot_start[i] + k_slots(std::min(kern.kb, k_size - i * kern.kb));
-  }
-  const int64_t all_slots = slot_start[num_kb];
-  const int64_t strip =
-      std::min((n + kern.nr - 1) / kern.nr * kern.nr,
-               std::max<int64_t>(kern.nr, kStripBytes / (all_slots * 4) / kern.nr * kern.nr));
-  const int64_t a_panels = (m + kern.mr - 1) / kern.mr;
-  float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * all_slots));
-  float* bp = Grow(ws.b, static_cast<size_t>(strip * all_slots));
-  const bool direct = c.type == ElemType::kF32;
-  float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * strip));
-  for (int64_t i = 0; i < num_kb; ++i) {
-    const int64_t k0 = i * kern.kb, kb = std::min(kern.kb, k_size - k0);
-    float* a_block = ap + a_panels * kern.mr * slot_start[i];
-    if (a.row_index != nullptr) {
-      kern.pack_a(CopyIndexedRows(a, 0, m, k0, kb, ws.rows_a), 0, m, 0, kb, a_block);
-    } else {
-      kern.pack_a(a, 0, m, k0, kb, a_block);
-    }
-  }
-  std::vector<const float*> b_blocks(static_cast<size_t>(num_kb));
-  if (kern.begin != nullptr) kern.begin();
-  for (int64_t n0 = 0; n0 < n; n0 += strip) {
-    const int64_t nb = std::min(strip, n - n0);
-    const int64_t b_panels = (nb + kern.nr - 1) / kern.nr;
-    for (int64_t i = 0; i < num_kb; ++i) {
-      const int64_t k0 = i * kern.kb;
-      b_blocks[i] = b_block_at(k0, std::min(kern.kb, k_size - k0), n0, nb,
-                               bp + b_panels * kern.nr * slot_start[i]);
-    }
-    float* cblk = direct ? static_cast<float*>(c.data) + n0 : cbuf;
-    const int64_t ldc = direct ? c.row_stride : nb;
-    for (int64_t i = 0; i < num_kb; ++i) {
-      const int64_t kb = std::min(kern.kb, k_size - i * kern.kb);
-      const int64_t slots = k_slots(kb);
-      const float* a_block = ap + a_panels * kern.mr * slot_start[i];
-      const bool acc = i > 0 || (direct && accumulate);
-      for (int64_t j = 0; j < nb; j += kern.nr) {
-        const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
-        const float* b_panel = b_blocks[i] + (j / kern.nr) * kern.nr * slots;
-        for (int64_t r = 0; r < m; r += kern.mr) {
-          const int rows = static_cast<int>(std::min<int64_t>(kern.mr, m - r));
-          kern.micro(kb, a_block + (r / kern.mr) * kern.mr * slots, b_panel, cblk + r * ldc + j,
-                     ldc, rows, cols, acc);
-        }
-      }
-    }
-    if (!direct) StoreBufferedColumns(kern, m, n0, nb, cbuf, ldc, c, accumulate);
-  }
-  if (kern.end != nullptr) kern.end();
-}
 
 // The blocked path (see the loop nest above). b_block_at(k0, kb, n0, nb,
 // scratch) returns B's kb x nb block at (k0, n0) in the kernels' panels:
@@ -218,28 +149,48 @@ void BlockedStrips(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_si
 template <typename BBlockAt>
 void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, const Operand& a,
              const Output& c, bool accumulate, const BBlockAt& b_block_at) {
-  if (m <= kStripMaxRows) {
-    BlockedStrips(kern, m, n, k_size, a, c, accumulate, b_block_at);
-    return;
-  }
   Workspace& ws = ThreadWorkspace();
+  // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes); every k
+  // block but the last is kern.kb long.
+  auto k_slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
+  const int64_t block_slots = k_slots(kern.kb);
+  const int64_t num_kb = (k_size + kern.kb - 1) / kern.kb;
+  const int64_t all_slots = (num_kb - 1) * block_slots + k_slots(k_size - (num_kb - 1) * kern.kb);
+  const bool strips = m <= kStripMaxRows;
   // With one block of rows, each packed B block is used once, right after it
   // is packed: keep it small enough to stay in L2 instead of travelling to
   // memory and back. With more rows, wide blocks pack A fewer times.
-  const int64_t nb_block = m <= kern.mb ? std::min<int64_t>(kern.nb, kSmallBlockColumns) : kern.nb;
+  const int64_t nb_block =
+      strips         ? std::max<int64_t>(kern.nr, kStripBytes / (all_slots * 4) / kern.nr * kern.nr)
+      : m <= kern.mb ? std::min<int64_t>(kern.nb, kSmallBlockColumns)
+                     : kern.nb;
   const int64_t nb_max = std::min(nb_block, n);
   const int64_t kb_max = std::min(kern.kb, k_size + (k_size & 1));
   const int64_t mb_max = std::min(kern.mb, m);
-  // Panel sizes in floats (a bfloat16 pair is one float's 4 bytes).
-  auto k_slots = [&](int64_t kb) { return internal::PanelSlots(kern, kb); };
   const int64_t a_panels = (mb_max + kern.mr - 1) / kern.mr;
   const int64_t b_panels = (nb_max + kern.nr - 1) / kern.nr;
-  float* ap = Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * k_slots(kb_max)));
+  // A's panels: of one block of rows and k, or, in strips, of every k block
+  // (block i at i * a_block_floats).
+  const int64_t a_block_floats = a_panels * kern.mr * block_slots;
+  float* ap =
+      Grow(ws.a, static_cast<size_t>(a_panels * kern.mr * (strips ? all_slots : k_slots(kb_max))));
   float* bp = Grow(ws.b, static_cast<size_t>(b_panels * kern.nr * k_slots(kb_max)));
   // float32 output: the microkernel accumulates into it directly; bfloat16:
   // into a float32 block that is rounded once, after the whole reduction.
   const bool direct = c.type == ElemType::kF32;
   float* cbuf = direct ? nullptr : Grow(ws.c, static_cast<size_t>(m * nb_max));
+  auto pack_a = [&](int64_t m0, int64_t mb, int64_t k0, int64_t kb, float* out) {
+    if (a.row_index != nullptr) {
+      kern.pack_a(CopyIndexedRows(a, m0, mb, k0, kb, ws.rows_a), 0, mb, 0, kb, out);
+    } else {
+      kern.pack_a(a, m0, mb, k0, kb, out);
+    }
+  };
+  if (strips) {
+    for (int64_t k0 = 0; k0 < k_size; k0 += kern.kb) {
+      pack_a(0, m, k0, std::min(kern.kb, k_size - k0), ap + (k0 / kern.kb) * a_block_floats);
+    }
+  }
 
   if (kern.begin != nullptr) kern.begin();
   for (int64_t n0 = 0; n0 < n; n0 += nb_block) {
@@ -253,23 +204,29 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
       const bool acc = k0 > 0 || (direct && accumulate);
       for (int64_t m0 = 0; m0 < m; m0 += kern.mb) {
         const int64_t mb = std::min(kern.mb, m - m0);
-        if (a.row_index != nullptr) {
-          kern.pack_a(CopyIndexedRows(a, m0, mb, k0, kb, ws.rows_a), 0, mb, 0, kb, ap);
+        const float* a_block = ap;
+        if (strips) {
+          a_block += (k0 / kern.kb) * a_block_floats;
         } else {
-          kern.pack_a(a, m0, mb, k0, kb, ap);
+          pack_a(m0, mb, k0, kb, ap);
         }
         for (int64_t j = 0; j < nb; j += kern.nr) {
           const int cols = static_cast<int>(std::min<int64_t>(kern.nr, nb - j));
           const float* b_panel = b_block + (j / kern.nr) * kern.nr * slots;
           for (int64_t i = 0; i < mb; i += kern.mr) {
             const int rows = static_cast<int>(std::min<int64_t>(kern.mr, mb - i));
-            kern.micro(kb, ap + (i / kern.mr) * kern.mr * slots, b_panel, cblk + (m0 + i) * ldc + j,
-                       ldc, rows, cols, acc);
+            kern.micro(kb, a_block + (i / kern.mr) * kern.mr * slots, b_panel,
+                       cblk + (m0 + i) * ldc + j, ldc, rows, cols, acc);
           }
         }
       }
     }
-    if (!direct) StoreBufferedColumns(kern, m, n0, nb, cbuf, ldc, c, accumulate);
+    if (!direct) {
+      for (int64_t i = 0; i < m; ++i) {
+        uint16_t* out = static_cast<uint16_t*>(c.data) + i * c.row_stride + n0;
+        kern.store_bf16(cbuf + i * ldc, out, nb, accumulate);
+      }
+    }
   }
   if (kern.end != nullptr) kern.end();
 }

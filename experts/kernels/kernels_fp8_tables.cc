@@ -363,18 +363,18 @@ int64_t PackFp8PairsByTables(int k_pad_pairs, const Operand& b, int64_t k0, int6
   tables.Make(from, k0 + k_size - k_base, n0 + panels * kNr - j_base);
   const Interleave mix = MakeInterleave();
   const auto* bytes = static_cast<const uint8_t*>(b.data);
+  // n-contiguous: byte 2c of the permuted vector is row k's column c, byte
+  // 2c + 1 row k + 1's -- the compact packs' pair-row order.
+  alignas(64) uint8_t order[64];
+  for (int c = 0; c < 32; ++c) {
+    order[2 * c] = static_cast<uint8_t>(c);
+    order[2 * c + 1] = static_cast<uint8_t>(64 + c);
+  }
+  const __m512i pairs = _mm512_load_si512(order);
   for (int64_t p = 0; p < panels; ++p) {
     const int64_t col0 = n0 + p * kNr;
     auto* o = static_cast<uint8_t*>(out) + p * kp_padded * kNr * 4;
     if (n_contiguous) {
-      // Byte 2c of the permuted vector is row k's column c, byte 2c + 1 row
-      // k + 1's: the compact packs' pair-row order.
-      alignas(64) uint8_t order[64];
-      for (int c = 0; c < 32; ++c) {
-        order[2 * c] = static_cast<uint8_t>(c);
-        order[2 * c + 1] = static_cast<uint8_t>(64 + c);
-      }
-      const __m512i pairs = _mm512_load_si512(order);
       for (int64_t q = 0; 2 * q < k_done;) {
         // One scale block's pair-rows (k0 is even, so no pair straddles two).
         const int64_t k_block = k0 + 2 * q - k_base;

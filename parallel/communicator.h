@@ -143,9 +143,9 @@ class Communicator {
   // AllToAllV of the rows of `src` picked by `send_rows` ([sum(send_row_counts)]
   // int64 on the host, values in [0, src.size(0)), repeats allowed): the i-th
   // row sent is src[send_rows[i]], as if `send` were src.index_select(0,
-  // send_rows). A backend that can read rows where they lie does so (MPI: one
-  // indexed datatype per peer, no gathered copy on this side); the default
-  // gathers them into a buffer and calls AllToAllV.
+  // send_rows). The default gathers them into a buffer and calls AllToAllV;
+  // a backend may do better (MPI: its own rows are copied into place in recv
+  // rather than through MPI).
   virtual std::shared_ptr<Work> AllToAllVGather(const at::Tensor& src, const at::Tensor& send_rows,
                                                 absl::Span<const int64_t> send_row_counts,
                                                 const at::Tensor& recv,

@@ -39,7 +39,7 @@ namespace moefit::parallel {
 
 // x: [groups, ...] -> [sum(recv_counts), ...]: member m of `relation` (sent
 // in member order, send_counts[p] of them to rank p) is x's row slot[m] / f,
-// sent from where it lies (Communicator::AllToAllVGather), in x's dtype.
+// gathered as it is sent (Communicator::AllToAllVGather), in x's dtype.
 at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
                     const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& recv_counts);

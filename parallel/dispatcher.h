@@ -9,7 +9,7 @@
 //              row once per local expert it visits, by index (no copy per
 //              expert), and the receiver sums its experts' weighted outputs
 //              into one row per token before sending it back. Counts are exchanged
-//              first, then rows and weights go from where they lie
+//              first, then rows and weights are gathered and sent
 //              (Communicator::AllToAllVGather) and indices with all-to-all-v.
 //   allgather  the HF transformers EP scheme: every rank gathers all tokens,
 //              computes its own experts' assignments (the rest masked out), and

@@ -13,9 +13,9 @@
 //   * rows (AllToAllV, AllGather(V)) as one contiguous derived datatype per
 //     row, so counts and displacements are in rows: int-sized MPI arrays limit
 //     a call to INT_MAX rows per peer and in total, and exceeding it fails with
-//     OutOfRange instead of wrapping; AllToAllVGather sends each peer its
-//     rows as one datatype of rows at their byte offsets in the source
-//     (MPI_Ialltoallw), at most INT_MAX rows per peer;
+//     OutOfRange instead of wrapping; AllToAllVGather gathers the rows for
+//     the other ranks into one buffer and copies its own rows into place
+//     itself, so MPI moves contiguous blocks (one copy over shared memory);
 //   * AllReduce in the tensor's own MPI type; bf16 and fp16, which MPI has no
 //     type for, are reduced in fp32 staging copies and rounded back once at the
 //     end, which is also more accurate than rounding after every partial sum
@@ -69,8 +69,8 @@ class MpiCommunicator final : public Communicator {
   std::shared_ptr<Work> AllToAllV(const at::Tensor& send, absl::Span<const int64_t> send_row_counts,
                                   const at::Tensor& recv,
                                   absl::Span<const int64_t> recv_row_counts) override;
-  // Rows sent from where they lie in src: MPI_Ialltoallw with one indexed
-  // datatype per peer.
+  // The other ranks' rows gathered into one buffer, this rank's own copied
+  // into place in recv.
   std::shared_ptr<Work> AllToAllVGather(const at::Tensor& src, const at::Tensor& send_rows,
                                         absl::Span<const int64_t> send_row_counts,
                                         const at::Tensor& recv,

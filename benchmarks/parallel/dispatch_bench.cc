@@ -156,11 +156,18 @@ void DispatchVersusAlltoallv(moefit::parallel::ProcessGroups& groups, const Flag
   const double bare_slots = time_it([&] { undeduplicated.RoundTrip(); });
   const double bare_pairs = time_it([&] { same_bytes.RoundTrip(); });
   int64_t sent_rows = 0;
-  at::Tensor expert_out;  // identity experts: each computation row's input
+  // Identity experts: each computation row's input, made once in the caching
+  // host allocator (as moefit's expert layers make their outputs) for all the
+  // runs below.
+  framework::UseCachingHostAllocator(true);
+  at::Tensor expert_out;
+  {
+    parallel::DispatchedRows d = (*dispatcher)->Dispatch(x, idx, weight);
+    expert_out = d.rows.index_select(0, d.row_index);
+  }
   auto dispatch_combine = [&] {
     parallel::DispatchedRows d = (*dispatcher)->Dispatch(x, idx, weight);
     sent_rows = d.sent_rows;
-    if (!expert_out.defined()) expert_out = d.rows.index_select(0, d.row_index);
     at::Tensor back = (*dispatcher)->Combine(expert_out, *d.route);
   };
   // With LibTorch's default host allocator, then with moefit's caching one

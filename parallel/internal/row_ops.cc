@@ -9,6 +9,8 @@
 #include <cstring>
 #include <type_traits>
 
+#include "absl/container/inlined_vector.h"
+
 namespace moefit::parallel::internal {
 namespace {
 
@@ -118,20 +120,57 @@ at::Tensor SpreadRows(const at::Tensor& src_in, const RowRelation& rel, const at
   return out;
 }
 
-// to[i] = (first ? 0 : to[i]) + w * from[i] for i < n, a cache line at a
-// time, prefetching the next rows of member c.
+// to[i] = sum over c < n of w[c] * from[c][i] for i < h, in c order: a block
+// of kBlock elements at a time summed over all the rows in registers and
+// stored once, rather than the output read and written again per row. The
+// rows are read side by side, and the groups' rows lie in runs (each local
+// expert's outputs in arrival order, each rank's rows in token order), so
+// the hardware prefetcher follows each run; prefetching the next group's
+// rows by hand, as the row-at-a-time sums below do, made this loop slower
+// (a 2-core AMD EPYC, Zen 4: 9-13 GB/s read against 15-18 alone, and
+// dispatch_bench's combine sums 24-26 ms against 37-39 row at a time).
 template <typename S, typename A>
-void AddScaledRow(A* to, const S* from, A w, int64_t n, bool first, const NextRows<S>& next,
-                  int c) {
-  constexpr int64_t kLine = NextRows<S>::kLine;
-  for (int64_t i0 = 0; i0 < n; i0 += kLine) {
-    next.Fetch(c, i0);
-    const int64_t end = std::min(n, i0 + kLine);
-    if (first) {
-      for (int64_t i = i0; i < end; ++i) to[i] = w * static_cast<A>(from[i]);
-    } else {
-      for (int64_t i = i0; i < end; ++i) to[i] += w * static_cast<A>(from[i]);
+void SumRows(A* to, const S* const* from, const A* w, int n, int64_t h) {
+  constexpr int64_t kBlock = 256 / static_cast<int64_t>(sizeof(S));
+  if (n == 0) {
+    std::fill(to, to + h, A(0));
+    return;
+  }
+  int64_t i0 = 0;
+  if constexpr (std::is_same_v<S, float> && std::is_same_v<A, float>) {
+    // float32: 32 values at a time in eight 4-lane vectors (the build's
+    // baseline registers), the same products and sums in the same order as
+    // the loops below.
+    typedef float V4 __attribute__((vector_size(16)));
+    auto load = [](const float* p) {
+      V4 v;
+      std::memcpy(&v, p, sizeof(v));  // unaligned: rows start anywhere
+      return v;
+    };
+    constexpr int kV = 8;
+    for (; i0 + 4 * kV <= h; i0 += 4 * kV) {
+      V4 acc[kV];
+      for (int v = 0; v < kV; ++v) acc[v] = w[0] * load(from[0] + i0 + 4 * v);
+      for (int c = 1; c < n; ++c) {
+        for (int v = 0; v < kV; ++v) acc[v] += w[c] * load(from[c] + i0 + 4 * v);
+      }
+      std::memcpy(to + i0, acc, sizeof(acc));
     }
+  }
+  for (; i0 + kBlock <= h; i0 += kBlock) {
+    A acc[kBlock];
+    for (int64_t i = 0; i < kBlock; ++i) acc[i] = w[0] * static_cast<A>(from[0][i0 + i]);
+    for (int c = 1; c < n; ++c) {
+      const S* row = from[c] + i0;
+      const A wc = w[c];
+      for (int64_t i = 0; i < kBlock; ++i) acc[i] += wc * static_cast<A>(row[i]);
+    }
+    std::memcpy(to + i0, acc, sizeof(acc));
+  }
+  for (int64_t i = i0; i < h; ++i) {
+    A sum = w[0] * static_cast<A>(from[0][i]);
+    for (int c = 1; c < n; ++c) sum += w[c] * static_cast<A>(from[c][i]);
+    to[i] = sum;
   }
 }
 
@@ -152,16 +191,15 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
       A* res = out.data_ptr<A>();
       const A* wt = weight.defined() ? weight.data_ptr<A>() : nullptr;
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
-        A* to = res + p * h;
-        const NextRows<S> next(members, p, p_rows, f, in, h);
-        int c = 0;
+        absl::InlinedVector<const S*, 16> rows;
+        absl::InlinedVector<A, 16> w;
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
           if (m < 0) continue;
-          AddScaledRow(to, in + m * h, wt == nullptr ? A(1) : wt[p * f + j], h, c == 0, next, c);
-          ++c;
+          rows.push_back(in + m * h);
+          w.push_back(wt == nullptr ? A(1) : wt[p * f + j]);
         }
-        if (c == 0) std::fill(to, to + h, A(0));
+        SumRows(res + p * h, rows.data(), w.data(), static_cast<int>(rows.size()), h);
       });
     });
   });

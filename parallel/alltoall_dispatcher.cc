@@ -127,7 +127,7 @@ class AllToAllDispatcher final : public Dispatcher {
     return recv;
   }
 
-  // Posts the rows (read where they lie in x), their routing weights and
+  // Posts the rows (gathered from x), their routing weights and
   // their experts' local indices.
   PostedDispatch PostDispatch(const at::Tensor& x, const at::Tensor& topk_weight,
                               const router::OwnerRoutes& routes,

@@ -359,8 +359,8 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
 // gathered straight into their place in recv and not handed to MPI. Over
 // shared memory MPI moves a contiguous block in one copy (CMA), where rows
 // read where they lie through a derived datatype were packed into and out of
-// its fragments, two copies on MPI's one thread: 2.5-3x the time of the
-// gather and the exchange together, measured with dispatch_bench.
+// its fragments, two copies on MPI's one thread: dispatch took 2-3x as long
+// that way (dispatch_bench, two processes on one node).
 std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
                                                        const at::Tensor& send_rows,
                                                        absl::Span<const int64_t> send_row_counts,

@@ -62,8 +62,8 @@ absl::Status TestAll(std::vector<MPI_Request>& requests, bool* done) {
 // sleeps. Open MPI moves data only inside MPI calls, and a collective's
 // messages travel in several steps (handshakes, fragments), each needing a
 // poll: sleeping between polls would stretch a 20 ms exchange to several
-// times that. Waits longer than this are peers
-// that are late, where a sleeping poll leaves the core to other work.
+// times that. Waits longer than this are peers that are late, where a
+// sleeping poll leaves the core to other work.
 constexpr absl::Duration kBusyPollTime = absl::Milliseconds(500);
 
 // "12 B", "4.0 KiB", "1.5 MiB": sizes for messages.
@@ -298,6 +298,36 @@ std::shared_ptr<Work> Post(std::string what, const std::function<absl::Status(Pe
   return work;
 }
 
+// Posts the all-to-all-v of the rows for the other ranks, in `row_type`:
+// `send` and `recv` laid out by the counts' displacements, whose entries for
+// rank `me` are left out (its own rows are the caller's to copy). `what`
+// names the call in count errors.
+absl::Status PostOthersRows(PendingMpi& pending, const at::Tensor& send,
+                            absl::Span<const int64_t> send_row_counts, const at::Tensor& recv,
+                            absl::Span<const int64_t> recv_row_counts, int me,
+                            MPI_Datatype row_type, MPI_Comm comm, absl::string_view what) {
+  absl::StatusOr<internal::MpiCounts> send_counts =
+      internal::ToMpiCounts(send_row_counts, absl::StrCat(what, " send rows"));
+  if (!send_counts.ok()) return send_counts.status();
+  absl::StatusOr<internal::MpiCounts> recv_counts =
+      internal::ToMpiCounts(recv_row_counts, absl::StrCat(what, " recv rows"));
+  if (!recv_counts.ok()) return recv_counts.status();
+  send_counts->counts[me] = recv_counts->counts[me] = 0;
+  pending.send_counts = *std::move(send_counts);
+  pending.recv_counts = *std::move(recv_counts);
+  pending.tensors = {send, recv};
+  MOEFIT_CHECK_FOREIGN(MPI_Ialltoallv(
+      send.data_ptr(), pending.send_counts.counts.data(), pending.send_counts.displacements.data(),
+      row_type, recv.data_ptr(), pending.recv_counts.counts.data(),
+      pending.recv_counts.displacements.data(), row_type, comm, &pending.requests.emplace_back()));
+  return absl::OkStatus();
+}
+
+// Where rank `me`'s block starts among rows laid out by `counts`.
+int64_t BlockStart(absl::Span<const int64_t> counts, int me) {
+  return std::accumulate(counts.begin(), counts.begin() + me, int64_t{0});
+}
+
 }  // namespace
 
 std::shared_ptr<Work> MpiCommunicator::AllToAllCounts(const at::Tensor& send_counts,
@@ -329,27 +359,14 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
       return absl::OkStatus();  // rows of zero elements: nothing to move on any rank
     internal::ScopedRowType row_type;
     if (absl::Status status = row_type.Init(row_bytes, "AllToAllV"); !status.ok()) return status;
-    absl::StatusOr<internal::MpiCounts> send_counts =
-        internal::ToMpiCounts(send_row_counts, "AllToAllV send rows");
-    if (!send_counts.ok()) return send_counts.status();
-    absl::StatusOr<internal::MpiCounts> recv_counts =
-        internal::ToMpiCounts(recv_row_counts, "AllToAllV recv rows");
-    if (!recv_counts.ok()) return recv_counts.status();
-    // This rank's own rows copied here (on LibTorch's threads), not by MPI.
     const int me = rank();
-    if (send_counts->counts[me] > 0) {
-      recv.narrow(0, recv_counts->displacements[me], recv_counts->counts[me])
-          .copy_(send.narrow(0, send_counts->displacements[me], send_counts->counts[me]));
+    MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, send, send_row_counts, recv, recv_row_counts, me,
+                                          row_type.get(), comm_, "AllToAllV"));
+    // This rank's own rows copied here (on LibTorch's threads), not by MPI.
+    if (send_row_counts[me] > 0) {
+      recv.narrow(0, BlockStart(recv_row_counts, me), recv_row_counts[me])
+          .copy_(send.narrow(0, BlockStart(send_row_counts, me), send_row_counts[me]));
     }
-    send_counts->counts[me] = recv_counts->counts[me] = 0;
-    pending.send_counts = *std::move(send_counts);
-    pending.recv_counts = *std::move(recv_counts);
-    pending.tensors = {send, recv};
-    MOEFIT_CHECK_FOREIGN(MPI_Ialltoallv(send.data_ptr(), pending.send_counts.counts.data(),
-                                        pending.send_counts.displacements.data(), row_type.get(),
-                                        recv.data_ptr(), pending.recv_counts.counts.data(),
-                                        pending.recv_counts.displacements.data(), row_type.get(),
-                                        comm_, &pending.requests.emplace_back()));
     return absl::OkStatus();
   });
 }
@@ -375,40 +392,22 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
     internal::ScopedRowType row_type;
     if (absl::Status status = row_type.Init(row_bytes, "AllToAllVGather"); !status.ok())
       return status;
+    // The other ranks' rows packed together, this rank's own in place.
     const int me = rank();
-    std::vector<int64_t> send_counts(send_row_counts.begin(), send_row_counts.end());
-    const int64_t own_begin = std::accumulate(send_counts.begin(), send_counts.begin() + me, 0L);
-    const int64_t own = send_counts[me];
-    const int64_t own_at =
-        std::accumulate(recv_row_counts.begin(), recv_row_counts.begin() + me, 0L);
-    send_counts[me] = 0;  // the other ranks' rows, packed together
-    absl::StatusOr<internal::MpiCounts> mpi_send =
-        internal::ToMpiCounts(send_counts, "AllToAllVGather send rows");
-    if (!mpi_send.ok()) return mpi_send.status();
-    // Displacements as in recv, where this rank's own rows keep their place.
-    absl::StatusOr<internal::MpiCounts> mpi_recv =
-        internal::ToMpiCounts(recv_row_counts, "AllToAllVGather recv rows");
-    if (!mpi_recv.ok()) return mpi_recv.status();
-    mpi_recv->counts[me] = 0;
+    const int64_t own_begin = BlockStart(send_row_counts, me), own = send_row_counts[me];
     const int64_t total = send_rows.size(0);
-    at::Tensor others =
-        own == total ? send_rows.narrow(0, 0, 0)
-        : own == 0   ? send_rows
-                     : at::cat({send_rows.narrow(0, 0, own_begin),
-                                send_rows.narrow(0, own_begin + own, total - own_begin - own)});
-    at::Tensor send = src.index_select(0, others);
+    const at::Tensor others =
+        at::cat({send_rows.narrow(0, 0, own_begin),
+                 send_rows.narrow(0, own_begin + own, total - own_begin - own)});
+    std::vector<int64_t> send_counts(send_row_counts.begin(), send_row_counts.end());
+    send_counts[me] = 0;
+    MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src.index_select(0, others), send_counts, recv,
+                                          recv_row_counts, me, row_type.get(), comm_,
+                                          "AllToAllVGather"));
     if (own > 0) {
-      at::Tensor own_rows = recv.narrow(0, own_at, own);
+      at::Tensor own_rows = recv.narrow(0, BlockStart(recv_row_counts, me), own);
       at::index_select_out(own_rows, src, 0, send_rows.narrow(0, own_begin, own));
     }
-    pending.send_counts = *std::move(mpi_send);
-    pending.recv_counts = *std::move(mpi_recv);
-    pending.tensors = {std::move(send), recv};
-    MOEFIT_CHECK_FOREIGN(
-        MPI_Ialltoallv(pending.tensors[0].data_ptr(), pending.send_counts.counts.data(),
-                       pending.send_counts.displacements.data(), row_type.get(), recv.data_ptr(),
-                       pending.recv_counts.counts.data(), pending.recv_counts.displacements.data(),
-                       row_type.get(), comm_, &pending.requests.emplace_back()));
     return absl::OkStatus();
   });
 }

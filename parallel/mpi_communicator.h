@@ -13,9 +13,10 @@
 //   * rows (AllToAllV, AllGather(V)) as one contiguous derived datatype per
 //     row, so counts and displacements are in rows: int-sized MPI arrays limit
 //     a call to INT_MAX rows per peer and in total, and exceeding it fails with
-//     OutOfRange instead of wrapping; AllToAllVGather gathers the rows for
-//     the other ranks into one buffer and copies its own rows into place
-//     itself, so MPI moves contiguous blocks (one copy over shared memory);
+//     OutOfRange instead of wrapping; AllToAllV and AllToAllVGather copy a
+//     rank's rows for itself into place themselves, and AllToAllVGather
+//     gathers the rows for the other ranks into one buffer, so MPI moves
+//     contiguous blocks (one copy over shared memory);
 //   * AllReduce in the tensor's own MPI type; bf16 and fp16, which MPI has no
 //     type for, are reduced in fp32 staging copies and rounded back once at the
 //     end, which is also more accurate than rounding after every partial sum

@@ -38,4 +38,10 @@ at::Tensor GroupOf(const RowRelation& relation);
 at::Tensor Collect(const at::Tensor& src, const RowRelation& relation,
                    const at::Tensor& weight = {});
 
+// Collect's backward writes float32 gradient rows with non-temporal stores
+// (past the cache) when they take more than `bytes` in all; the default is
+// the last-level cache's size. For tests, which set 0 to run that path;
+// returns the value it replaces.
+int64_t SetStreamAboveBytes(int64_t bytes);
+
 }  // namespace moefit::parallel::internal

@@ -10,7 +10,10 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <type_traits>
 
 #include "absl/container/inlined_vector.h"
@@ -136,9 +139,28 @@ void StreamStore(float* to, const float* from, int64_t n) {
   for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(to + i, _mm_loadu_ps(from + i));
 }
 
-// Bytes of the last-level cache (of one core's view; 32 MiB where the C
-// library cannot say).
+// Bytes of the largest cache the first core sees, as the kernel reports it
+// in sysfs (the C library's sysconf said 320 MiB on a virtual machine whose
+// L3 is 32 MiB), else as sysconf says; 32 MiB where neither does.
 int64_t LastLevelCacheBytes() {
+  int64_t bytes = 0;
+  int top = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size)) break;
+    char* unit = nullptr;
+    int64_t v = std::strtoll(size.c_str(), &unit, 10);
+    if (*unit == 'K') v <<= 10;
+    if (*unit == 'M') v <<= 20;
+    if (level >= top && v > 0) {
+      top = level;
+      bytes = v;
+    }
+  }
+  if (bytes > 0) return bytes;
   for (const int name : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
     const long v = sysconf(name);
     if (v > 0) return static_cast<int64_t>(v);
@@ -158,12 +180,12 @@ std::atomic<int64_t> stream_above_bytes{LastLevelCacheBytes()};
 // SetStreamAboveBytes), they would be gone from it before the experts'
 // backward reads them, so float32 rows are written with non-temporal stores
 // (those 16-byte aligned). On a 2-core AMD EPYC (Zen 4), the backward of
-// dispatch_bench's one-process sum (32768 rows of 2048) took 38-45 ms so,
-// 60-68 ms with the same loop storing as usual, and 49-68 ms as the
-// row-at-a-time spread and dot products it replaced. The dot products sum
-// element i into partial sum i % 16 (16 interleaved sums the compiler keeps
-// in vector lanes; one running sum it must keep scalar, in order), then the
-// 16 in order.
+// dispatch_bench's one-process sum (32768 rows of 2048) took 39-56 ms so
+// against 61-64 ms for the row-at-a-time spread and dot products it replaced
+// (three runs of each, alternating); the same loop storing as usual was no
+// faster than those. The dot products sum element i into partial sum
+// i % 16 (16 interleaved sums the compiler keeps in vector lanes; one running
+// sum it must keep scalar, in order), then the 16 in order.
 struct CollectGrads {
   at::Tensor dsrc, dweight;
 };

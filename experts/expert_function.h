@@ -52,4 +52,13 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
 // backward) since it started: the "expert compute" of a step's time split.
 double ExpertComputeSeconds();
 
+namespace internal {
+
+// The gradient of x where the computation read it by index (ExpertFfnOptions's
+// row_index and row_copies): row r is per_row[row_copies[r, j]] summed over j
+// in order (-1: none), in float32 (float64 for float64 rows), rounded once to
+// per_row's dtype.
+at::Tensor SumCopies(const at::Tensor& per_row, const at::Tensor& row_copies);
+
+}  // namespace internal
 }  // namespace moefit::experts

@@ -181,6 +181,31 @@ void BM_Gemm(benchmark::State& state, at::ScalarType dtype) {
   Record(state, 2.0 * m * n * k);
 }
 
+// The backward of rows read by index (ExpertFfnOptions::row_index): each
+// token's row gets the sum of its top_k computation rows' gradients, which
+// lie in expert order. Ours (internal::SumCopies) against LibTorch's
+// index_add of the same rows (what autograd gives for rows copied out with
+// index_select), float32; GB/s of rows read and written.
+void BM_SumCopies(benchmark::State& state, bool ours) {
+  const int64_t tokens = g_shape.num_tokens, k = g_shape.top_k, h = g_shape.hidden;
+  at::Tensor slots = std::get<1>(at::rand({tokens, g_shape.num_experts}).topk(k, 1)).reshape(-1);
+  // Computation row a holds slot order[a]: the slots sorted by expert.
+  at::Tensor order = std::get<1>(at::sort(slots, std::optional<bool>(true), 0, false));
+  at::Tensor row_of_slot = at::empty_like(order);
+  row_of_slot.index_put_({order}, at::arange(order.numel()));
+  const at::Tensor copies = row_of_slot.view({tokens, k}).contiguous();
+  const at::Tensor token_of_row = at::div(order, k, "floor");
+  const at::Tensor per_row = at::randn({tokens * k, h});
+  for (auto _ : state) {
+    at::Tensor out = ours ? internal::SumCopies(per_row, copies)
+                          : at::zeros({tokens, h}).index_add_(0, token_of_row, per_row);
+    benchmark::DoNotOptimize(out.data_ptr());
+  }
+  const double bytes = static_cast<double>((tokens * k + tokens) * h) * sizeof(float);
+  state.counters["GB/s"] =
+      benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+}
+
 class TableReporter : public benchmark::ConsoleReporter {
  public:
   void ReportRuns(const std::vector<Run>& runs) override {
@@ -190,6 +215,7 @@ class TableReporter : public benchmark::ConsoleReporter {
       std::string name = r.benchmark_name();
       name = name.substr(0, std::min(name.find("/min_time"), name.find("/iterations")));
       if (it != r.counters.end()) rates_[name] = it->second.value;
+      if (r.counters.count("GB/s")) copies_[name] = r.counters.at("GB/s").value;
       if (r.counters.count("lora/full")) lora_[name] = r.counters;
     }
   }
@@ -207,6 +233,13 @@ class TableReporter : public benchmark::ConsoleReporter {
       std::printf("%-38s %10.1f %14.2f\n", name.c_str(), rate,
                   ceiling != rates_.end() && ceiling->second > 0 ? rate / ceiling->second : 0.0);
     }
+    if (copies_.size() == 2) {
+      std::printf(
+          "\nbackward of rows read by index (sum of each token's %ld expert rows, float32): "
+          "%.1f GB/s, LibTorch index_add %.1f GB/s, ratio %.2f\n",
+          (long)g_shape.top_k, copies_.at("copies/ours"), copies_.at("copies/index_add"),
+          copies_.at("copies/ours") / copies_.at("copies/index_add"));
+    }
     if (lora_.empty()) return;
     std::printf(
         "\ngrouped fwd+bwd, LoRA rank %ld on a frozen base vs full fine-tuning, tokens=%ld\n",
@@ -223,6 +256,7 @@ class TableReporter : public benchmark::ConsoleReporter {
  private:
   std::map<std::string, double> rates_;
   std::map<std::string, benchmark::UserCounters> lora_;  // the LoRA benchmarks' counters
+  std::map<std::string, double> copies_;                 // GB/s of the copies/ benchmarks
 };
 
 }  // namespace
@@ -302,6 +336,13 @@ int main(int argc, char** argv) {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime()
         ->MinTime(1.0);
+  }
+  for (const bool ours : {true, false}) {
+    benchmark::RegisterBenchmark(ours ? "copies/ours" : "copies/index_add",
+                                 moefit::experts::BM_SumCopies, ours)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime()
+        ->MinTime(0.5);
   }
   benchmark::RegisterBenchmark("gemm/fp32", moefit::experts::BM_Gemm, at::kFloat)
       ->Unit(benchmark::kMillisecond)

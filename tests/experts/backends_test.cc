@@ -908,31 +908,37 @@ TEST(GroupedKernels, RowsReadByIndexGiveTheBitsOfTheRowsCopiedOut) {
 // ExpertFfn over rows read by index: the gradient of a stored row is the sum
 // of the gradients of the rows that read it, as autograd gives it through
 // index_select (float64); float32 and bfloat16 outputs are the bits of the
-// copied-out rows'. Bad indices are refused with a message.
+// copied-out rows'. Rows narrower than one block of the sum (32 float32
+// values, 16 float64) and wider with a tail. Bad indices are refused with a
+// message.
 TEST(ExpertFfn, RowsReadByIndexSumTheirGradients) {
   const ExpertProblemShape shape{"idx", 30, 24, 16, 4, 2, RoutingPattern::kSkewed};
-  for (at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
-    ExpertProblem p = MakeExpertProblem(shape, dtype, 31);
-    auto [stored, index] = IndexedRows(p, 32);
-    const at::Tensor copies = CopiesOf(index, stored.size(0));
-    auto backend = Backend("grouped");
-    at::Tensor x_idx = stored.clone().requires_grad_(true);
-    at::Tensor x_ref = stored.clone().requires_grad_(true);
-    at::Tensor gu = p.gate_up_proj.clone().requires_grad_(true);
-    at::Tensor dn = p.down_proj.clone().requires_grad_(true);
-    ExpertFfnOptions by_index;
-    by_index.row_index = index;
-    by_index.row_copies = copies;
-    at::Tensor y_idx = ExpertFfn(*backend, x_idx, p.counts, {gu, dn}, by_index);
-    at::Tensor y_ref = ExpertFfn(*backend, x_ref.index_select(0, index), p.counts, {gu, dn});
-    EXPECT_TRUE(at::equal(y_idx, y_ref)) << dtype;
-    (y_idx.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
-    (y_ref.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
-    if (dtype == at::kDouble) {
-      EXPECT_TRUE(at::allclose(x_idx.grad(), x_ref.grad(), 1e-12, 1e-12));
-    } else {
-      // index_select's backward sums in the rows' dtype, ours in float32.
-      EXPECT_LT(RelErr(x_idx.grad(), x_ref.grad()), dtype == at::kFloat ? 1e-6 : 1e-2) << dtype;
+  const ExpertProblemShape wide{"idx_wide", 30, 75, 16, 4, 2, RoutingPattern::kSkewed};
+  for (const ExpertProblemShape& sh : {shape, wide}) {
+    for (at::ScalarType dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+      SCOPED_TRACE(sh.name);
+      ExpertProblem p = MakeExpertProblem(sh, dtype, 31);
+      auto [stored, index] = IndexedRows(p, 32);
+      const at::Tensor copies = CopiesOf(index, stored.size(0));
+      auto backend = Backend("grouped");
+      at::Tensor x_idx = stored.clone().requires_grad_(true);
+      at::Tensor x_ref = stored.clone().requires_grad_(true);
+      at::Tensor gu = p.gate_up_proj.clone().requires_grad_(true);
+      at::Tensor dn = p.down_proj.clone().requires_grad_(true);
+      ExpertFfnOptions by_index;
+      by_index.row_index = index;
+      by_index.row_copies = copies;
+      at::Tensor y_idx = ExpertFfn(*backend, x_idx, p.counts, {gu, dn}, by_index);
+      at::Tensor y_ref = ExpertFfn(*backend, x_ref.index_select(0, index), p.counts, {gu, dn});
+      EXPECT_TRUE(at::equal(y_idx, y_ref)) << dtype;
+      (y_idx.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
+      (y_ref.to(at::kDouble) * p.grad_y.to(at::kDouble)).sum().backward();
+      if (dtype == at::kDouble) {
+        EXPECT_TRUE(at::allclose(x_idx.grad(), x_ref.grad(), 1e-12, 1e-12));
+      } else {
+        // index_select's backward sums in the rows' dtype, ours in float32.
+        EXPECT_LT(RelErr(x_idx.grad(), x_ref.grad()), dtype == at::kFloat ? 1e-6 : 1e-2) << dtype;
+      }
     }
   }
   ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 33);

@@ -23,6 +23,10 @@
 // pairs or widened to float32, experts/kernels/isa.h), suffixed _pairs or
 // _widened.
 //
+// Rows read by index: the backward's sum of each token's top_k expert-row
+// gradients (experts::internal::SumCopies) against LibTorch's index_add of
+// the same rows, in GB/s (copies/ lines).
+//
 // Host memory: the expert layers run on moefit's caching host allocator, as
 // `moefit train` runs them (framework/host_allocator.h); --host_allocator=system
 // takes LibTorch's default, which maps and clears fresh pages for every large

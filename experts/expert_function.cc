@@ -266,8 +266,8 @@ namespace internal {
 // A row's copies lie in different experts' rows, each expert's in runs. They
 // are read side by side, a block of each at a time summed in registers and
 // stored once, which the hardware prefetcher follows; whole copy after whole
-// copy, with the next row's copies prefetched by hand, took 1.3x as long on a
-// 2-core AMD EPYC (Zen 4). expert_layer_bench times it against LibTorch's
+// copy, with the next row's copies prefetched by hand, took 1.2-1.5x as long
+// on a 2-core AMD EPYC (Zen 4). expert_layer_bench times it against LibTorch's
 // index_add of the same rows (its copies/ lines).
 at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) {
   const at::Tensor per_row = per_row_in.contiguous();

@@ -384,10 +384,10 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
                                                        const at::Tensor& recv,
                                                        absl::Span<const int64_t> recv_row_counts) {
   internal::CheckAllToAllVGather(*this, src, send_rows, send_row_counts, recv, recv_row_counts);
+  const int64_t row_bytes = internal::RowBytes(src);
   const std::string what =
-      WorkName("AllToAllVGather", send_rows.numel() * internal::RowBytes(src), recv.nbytes());
+      WorkName("AllToAllVGather", send_rows.numel() * row_bytes, recv.nbytes());
   return Post(what, [&](PendingMpi& pending) -> absl::Status {
-    const int64_t row_bytes = internal::RowBytes(src);
     if (row_bytes == 0) return absl::OkStatus();
     internal::ScopedRowType row_type;
     if (absl::Status status = row_type.Init(row_bytes, "AllToAllVGather"); !status.ok())

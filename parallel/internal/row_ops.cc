@@ -52,9 +52,9 @@ void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
 // rows are read side by side, and the groups' rows lie in runs (each local
 // expert's outputs in arrival order, each rank's rows in token order), so
 // the hardware prefetcher follows each run; prefetching the next group's
-// rows by hand, as the row-at-a-time sums below do, made this loop slower
-// (a 2-core AMD EPYC, Zen 4: 9-13 GB/s read against 15-18 alone, and
-// dispatch_bench's combine sums 24-26 ms against 37-39 row at a time).
+// rows by hand made this loop slower (a 2-core AMD EPYC, Zen 4: 9-13 GB/s
+// read against 15-18 without, and dispatch_bench's combine sums 24-26 ms
+// against 37-39 summed a whole row at a time).
 template <typename S, typename A>
 void SumRows(A* to, const S* const* from, const A* w, int n, int64_t h) {
   constexpr int64_t kBlock = 256 / static_cast<int64_t>(sizeof(S));

@@ -30,7 +30,6 @@
 // --blocked.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -46,6 +45,7 @@
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
+#include "parallel/internal/row_ops.h"
 
 namespace moefit::experts::kernels {
 namespace {
@@ -79,15 +79,11 @@ double TimeIt(const std::function<void()>& fn, double seconds) {
   return runs[1];
 }
 
-// The last-level cache's bytes (32 MiB where the system does not say).
-int64_t LastLevelCacheBytes() {
-  const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE), l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-  const int64_t llc = std::max<int64_t>(l3, l2);
-  return llc > 0 ? llc : int64_t{32} << 20;
-}
-
 // Bytes that cycling through cannot keep cached: twice the last-level cache.
-int64_t UncachedBytes() { return std::max<int64_t>(int64_t{256} << 20, 2 * LastLevelCacheBytes()); }
+int64_t UncachedBytes() {
+  return std::max<int64_t>(int64_t{256} << 20,
+                           2 * moefit::parallel::internal::LastLevelCacheBytes());
+}
 
 int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1; }
 
@@ -230,7 +226,7 @@ int main(int argc, char** argv) {
       static_cast<long long>(ExpertsCycled(f, ElemType::kF32)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kBF16)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kF8E4M3)),
-      static_cast<long long>(LastLevelCacheBytes() >> 20));
+      static_cast<long long>(moefit::parallel::internal::LastLevelCacheBytes() >> 20));
   std::printf("CPU flags: %s; detected: %s\n", CpuFlags().c_str(),
               std::string(IsaName(DetectIsa())).c_str());
   const double bw = ReadBandwidth();

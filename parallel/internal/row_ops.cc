@@ -139,35 +139,6 @@ void StreamStore(float* to, const float* from, int64_t n) {
   for (int64_t i = 0; i < n; i += 4) _mm_stream_ps(to + i, _mm_loadu_ps(from + i));
 }
 
-// Bytes of the largest cache the first core sees, as the kernel reports it
-// in sysfs (the C library's sysconf said 320 MiB on a virtual machine whose
-// L3 is 32 MiB), else as sysconf says; 32 MiB where neither does.
-int64_t LastLevelCacheBytes() {
-  int64_t bytes = 0;
-  int top = 0;
-  for (int i = 0; i < 16; ++i) {
-    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
-    std::ifstream level_file(dir + "level"), size_file(dir + "size");
-    int level = 0;
-    std::string size;
-    if (!(level_file >> level) || !(size_file >> size)) break;
-    char* unit = nullptr;
-    int64_t v = std::strtoll(size.c_str(), &unit, 10);
-    if (*unit == 'K') v <<= 10;
-    if (*unit == 'M') v <<= 20;
-    if (level >= top && v > 0) {
-      top = level;
-      bytes = v;
-    }
-  }
-  if (bytes > 0) return bytes;
-  for (const int name : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
-    const long v = sysconf(name);
-    if (v > 0) return static_cast<int64_t>(v);
-  }
-  return int64_t{32} << 20;
-}
-
 std::atomic<int64_t> stream_above_bytes{LastLevelCacheBytes()};
 
 // The backward of CollectRows, one group at a time. Each member m =
@@ -314,6 +285,32 @@ class CollectFn : public torch::autograd::Function<CollectFn> {
 };
 
 }  // namespace
+
+int64_t LastLevelCacheBytes() {
+  int64_t bytes = 0;
+  int top = 0;
+  for (int i = 0; i < 16; ++i) {
+    const std::string dir = "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/";
+    std::ifstream level_file(dir + "level"), size_file(dir + "size");
+    int level = 0;
+    std::string size;
+    if (!(level_file >> level) || !(size_file >> size)) break;
+    char* unit = nullptr;
+    int64_t v = std::strtoll(size.c_str(), &unit, 10);
+    if (*unit == 'K') v <<= 10;
+    if (*unit == 'M') v <<= 20;
+    if (level >= top && v > 0) {
+      top = level;
+      bytes = v;
+    }
+  }
+  if (bytes > 0) return bytes;
+  for (const int name : {_SC_LEVEL3_CACHE_SIZE, _SC_LEVEL2_CACHE_SIZE}) {
+    const long v = sysconf(name);
+    if (v > 0) return static_cast<int64_t>(v);
+  }
+  return int64_t{32} << 20;
+}
 
 RowRelation MakeRowRelation(at::Tensor members, int64_t num_members) {
   TORCH_CHECK(members.dim() == 2 && members.scalar_type() == at::kLong && members.is_cpu(),

@@ -38,6 +38,11 @@ at::Tensor GroupOf(const RowRelation& relation);
 at::Tensor Collect(const at::Tensor& src, const RowRelation& relation,
                    const at::Tensor& weight = {});
 
+// Bytes of the largest cache the first core sees, as the kernel reports it in
+// sysfs, else as the C library's sysconf says (which said 320 MiB on a
+// virtual machine whose L3 is 32 MiB); 32 MiB where neither does.
+int64_t LastLevelCacheBytes();
+
 // Collect's backward writes float32 gradient rows with non-temporal stores
 // (past the cache) when they take more than `bytes` in all; the default is
 // the last-level cache's size. For tests, which set 0 to run that path;

@@ -9,7 +9,10 @@ saved directory, one process), each with the same thread count. Prints tokens
 per second of each (steps after the first two, which warm up allocators), the
 ratio moefit / transformers, and each one's model FLOPs per second against a
 float32 GEMM ceiling (torch.mm of 2048^3 on the same threads) measured in the
-same run. Model FLOPs per token: 6 x the parameters a token passes through
+same run. The three are measured in --rounds interleaved rounds (moefit first
+in one round, transformers first in the next), each round printed; the summary
+takes the best round of each, since a shared machine's noise only ever slows a
+run down. Model FLOPs per token: 6 x the parameters a token passes through
 (2 forward, 4 backward; the routed experts counted top_k times, embeddings
 not) plus attention's 12 x layers x seq_len x heads x head dim; in LoRA mode
 the frozen weights take no weight gradient, so 4 x (and the adapters' FLOPs
@@ -21,11 +24,13 @@ lora.target_modules with `experts`), the base frozen. --experts-dtype sets
 moefit's experts.dtype (transformers stays float32).
 
     ~/.cache/moefit/venv/bin/python benchmarks/e2e/train_vs_transformers.py \\
-        --family qwen3_moe [--mode full|lora --hidden 512 --experts 32 --layers 4 --steps 8 --threads 2]
+        --family qwen3_moe [--mode full|lora --hidden 512 --experts 32 --layers 4 --steps 8 --threads 2 \\
+        --rounds 2]
 
 Defaults finish in about two minutes on 2 cores.
 """
 import argparse
+import copy
 import os
 import pathlib
 import re
@@ -108,7 +113,7 @@ def gemm_gflops(threads):
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     torch.mm(a, b)
     start, n = time.perf_counter(), 0
-    while time.perf_counter() - start < 3.0:
+    while time.perf_counter() - start < 2.0:
         torch.mm(a, b)
         n += 1
     return 2 * 2048 ** 3 * n / (time.perf_counter() - start) / 1e9
@@ -147,6 +152,7 @@ def main():
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--build-dir", default=os.environ.get("MOEFIT_BUILD_DIR", "build"))
     args = p.parse_args()
     torch.manual_seed(0)
@@ -154,18 +160,27 @@ def main():
     model = AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
     fpt = flops_per_token(model, cfg, args)
     n = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(tmp)
-        ceiling = gemm_gflops(args.threads)
-        mf = moefit_tok_s(pathlib.Path(args.build_dir), tmp, args)
-        hf = transformers_tok_s(model, args)
+    hf_name = "transformers" + (" + PEFT" if args.mode == "lora" else "")
     print(f"{args.family}, {args.mode}: {n / 1e6:.1f}M parameters, {args.layers} layers, hidden "
           f"{args.hidden}, {args.experts} experts of {args.inter} top-{args.top_k}, {args.batch} x "
           f"{args.seq_len} tokens per step, {args.threads} threads; moefit experts in "
-          f"{args.experts_dtype}")
-    print(f"  float32 GEMM ceiling: {ceiling:8.1f} GFLOP/s; model FLOPs per token {fpt / 1e6:.1f} M")
-    for name, tok in (("transformers" + (" + PEFT" if args.mode == "lora" else ""), hf),
-                      ("moefit", mf)):
+          f"{args.experts_dtype}; model FLOPs per token {fpt / 1e6:.1f} M", flush=True)
+    ceilings, mfs, hfs = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        for r in range(args.rounds):
+            ceilings.append(gemm_gflops(args.threads))
+            # transformers trains a copy, so that every round starts from the same weights
+            runs = [lambda: mfs.append(moefit_tok_s(pathlib.Path(args.build_dir), tmp, args)),
+                    lambda: hfs.append(transformers_tok_s(copy.deepcopy(model), args))]
+            for run in runs if r % 2 == 0 else reversed(runs):
+                run()
+            print(f"  round {r + 1}: ceiling {ceilings[-1]:6.1f} GFLOP/s, {hf_name} "
+                  f"{hfs[-1]:6.0f} tokens/s, moefit {mfs[-1]:6.0f} tokens/s, ratio "
+                  f"{mfs[-1] / hfs[-1]:.2f}", flush=True)
+    ceiling, hf, mf = max(ceilings), max(hfs), max(mfs)
+    print(f"  best of {args.rounds} rounds; float32 GEMM ceiling: {ceiling:8.1f} GFLOP/s")
+    for name, tok in ((hf_name, hf), ("moefit", mf)):
         gf = tok * fpt / 1e9
         print(f"  {name:20s} {tok:8.0f} tokens/s  {gf:7.1f} GFLOP/s  {gf / ceiling:5.2f} of the ceiling")
     print(f"  ratio moefit / transformers = {mf / hf:.2f}")

@@ -88,9 +88,16 @@ struct BackwardOptions {
   bool base_weight_grads = true;
 };
 
+// Where the grouped backend runs its tiles in parallel.
+enum class ThreadPool : uint8_t {
+  kOpenMp,  // LibTorch's OpenMP threads: the one pool of the process
+  kOneTbb,  // a oneTBB arena of the backend's own
+};
+
 struct BackendOptions {
   // CPU threads for expert compute; 0 = the process's intra-op thread count.
   int num_threads = 0;
+  ThreadPool thread_pool = ThreadPool::kOpenMp;
   // Bytes of expert weights kept packed in the GEMM kernels' format between
   // calls (see packed_weights.h): each weight is packed once per change
   // instead of on every GEMM. Up to two packs per weight (forward and dX

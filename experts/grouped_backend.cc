@@ -11,7 +11,10 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
+#include <memory>
 
 #include "experts/kernels/gemm.h"
 #include "experts/kernels/swiglu.h"
@@ -199,8 +202,9 @@ void WeightMm(at::Tensor out, const InRows& a, const at::Tensor& w, const at::Te
 // Torch's own intra-op threads are set to one while the tiles run: the
 // parallelism is ours, and nested MKL/oneDNN/OpenMP teams would oversubscribe.
 // at::set_num_threads sets the OpenMP and MKL thread counts of the calling
-// thread only, so the caller uses this guard and each arena worker makes
-// itself single-threaded once (MakeWorkerSingleThreaded).
+// thread only: the caller uses this guard, an OpenMP team's threads inherit
+// its count (and ATen runs nested loops serially), and each oneTBB worker
+// makes itself single-threaded once (MakeWorkerSingleThreaded).
 class SingleThreadedTorch {
  public:
   SingleThreadedTorch() : saved_(at::get_num_threads()) {
@@ -448,7 +452,9 @@ class GroupedBackend final : public ExpertBackend {
  public:
   explicit GroupedBackend(const BackendOptions& options)
       : num_threads_(options.num_threads > 0 ? options.num_threads : at::get_num_threads()),
-        arena_(num_threads_),
+        arena_(options.thread_pool == ThreadPool::kOneTbb
+                   ? std::make_unique<tbb::task_arena>(num_threads_)
+                   : nullptr),
         packs_(options.packed_weight_bytes),
         fused_swiglu_(options.fused_swiglu) {}
 
@@ -731,6 +737,8 @@ class GroupedBackend final : public ExpertBackend {
     return packs_.Lookup(w, scale, transposed, kernels::ActiveIsa(), KernelType(x.scalar_type()));
   }
 
+  // fn(t) for every tile t < num_tiles, in parallel, each tile whole on one
+  // thread, handed out one at a time (skewed routing makes some tiles slow).
   template <typename Fn>
   void RunTiles(size_t num_tiles, const Fn& fn) {
     if (num_tiles == 0) return;
@@ -738,18 +746,42 @@ class GroupedBackend final : public ExpertBackend {
     // Workers run ATen ops: give them the caller's grad mode and dispatch
     // state (inside an autograd function, autograd must stay off there too).
     const at::ThreadLocalState state;
-    arena_.execute([&] {
-      tbb::parallel_for(tbb::blocked_range<size_t>(0, num_tiles, 1),
-                        [&](const tbb::blocked_range<size_t>& r) {
-                          at::ThreadLocalStateGuard guard(state);
-                          MakeWorkerSingleThreaded();
-                          for (size_t t = r.begin(); t != r.end(); ++t) fn(t);
-                        });
-    });
+    if (arena_ != nullptr) {
+      arena_->execute([&] {
+        tbb::parallel_for(tbb::blocked_range<size_t>(0, num_tiles, 1),
+                          [&](const tbb::blocked_range<size_t>& r) {
+                            at::ThreadLocalStateGuard guard(state);
+                            MakeWorkerSingleThreaded();
+                            for (size_t t = r.begin(); t != r.end(); ++t) fn(t);
+                          });
+      });
+      return;
+    }
+    // On the OpenMP pool the dense layers use, so that no second pool's
+    // threads compete with its spinning ones for the cores. An exception may
+    // not leave the parallel region: the first is kept, the remaining tiles
+    // are skipped, and it is thrown here.
+    const int threads = static_cast<int>(std::min<size_t>(num_threads_, num_tiles));
+    std::exception_ptr error;
+    std::atomic<bool> failed{false};
+#pragma omp parallel num_threads(threads)
+    {
+      at::ThreadLocalStateGuard guard(state);
+#pragma omp for schedule(dynamic, 1)
+      for (size_t t = 0; t < num_tiles; ++t) {
+        if (failed.load(std::memory_order_relaxed)) continue;
+        try {
+          fn(t);
+        } catch (...) {
+          if (!failed.exchange(true)) error = std::current_exception();
+        }
+      }
+    }
+    if (error) std::rethrow_exception(error);
   }
 
   int num_threads_;
-  tbb::task_arena arena_;
+  std::unique_ptr<tbb::task_arena> arena_;  // ThreadPool::kOneTbb only
   PackedWeightCache packs_;
   bool fused_swiglu_;
 };

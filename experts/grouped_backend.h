@@ -1,7 +1,9 @@
 // `grouped`: the fast CPU expert backend. Rows arrive sorted by expert; the
 // work is cut into (expert, row-block) tiles so that a hot expert spreads over
-// all cores while cold ones cost nothing, and the tiles run in parallel on a
-// oneTBB arena with single-threaded GEMMs. Each weight is packed into the
+// all cores while cold ones cost nothing, and the tiles run in parallel, handed
+// out one at a time, with single-threaded GEMMs: on LibTorch's OpenMP threads
+// (the process's one pool) or on a oneTBB arena of the backend's own
+// (BackendOptions::thread_pool). Each weight is packed into the
 // kernels' format once per change, not per GEMM (packed_weights.h). Gate and
 // up are computed a block of columns at a time, and SiLU(gate)·up of a block
 // right after its two GEMMs, with a vector exp (with a LoRA adapter on

@@ -115,9 +115,10 @@ MoeModel::~MoeModel() = default;
 absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& options,
                                                            const ModelRuntime& runtime,
                                                            uint64_t seed, WeightInit init) {
-  auto backend = experts::CreateExpertBackend(
-      runtime.expert_backend,
-      {.num_threads = runtime.expert_threads, .packed_weight_bytes = runtime.expert_packed_bytes});
+  auto backend = experts::CreateExpertBackend(runtime.expert_backend,
+                                              {.num_threads = runtime.expert_threads,
+                                               .thread_pool = runtime.expert_thread_pool,
+                                               .packed_weight_bytes = runtime.expert_packed_bytes});
   if (!backend.ok()) return backend.status();
   ModelRuntime rt = runtime;
   if (rt.expert_group == nullptr) rt.expert_group = parallel::LocalCommunicator::Create("ep");

@@ -74,6 +74,7 @@ struct ModelRuntime {
   Recompute recompute = Recompute::kNone;
   std::string expert_backend = "grouped";
   int expert_threads = 0;  // 0 = the process's intra-op thread count
+  experts::ThreadPool expert_thread_pool = experts::ThreadPool::kOpenMp;
   // Bytes of expert weights the backend keeps packed between GEMMs.
   int64_t expert_packed_bytes = experts::BackendOptions{}.packed_weight_bytes;
   // Expert parallelism: the group of ranks that share one copy of the experts

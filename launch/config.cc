@@ -64,7 +64,7 @@ const char kDefaults[] = R"pb(
   optimizer { lr: 3e-4 weight_decay: 0.1 beta1: 0.9 beta2: 0.95 eps: 1e-8 max_grad_norm: 1.0 }
   schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
   train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
-  experts { backend: "grouped" num_threads: 0 packed_weight_gb: 2 }
+  experts { backend: "grouped" num_threads: 0 thread_pool: "openmp" packed_weight_gb: 2 }
   parallel {
     device: "auto"
     ep_size: 0
@@ -945,6 +945,14 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     return Invalid(absl::StrCat("experts.num_threads = ", e.num_threads(), " must be >= 0"));
   }
   run.runtime.expert_threads = e.num_threads();
+  if (e.thread_pool() == "openmp" || e.thread_pool().empty()) {
+    run.runtime.expert_thread_pool = experts::ThreadPool::kOpenMp;
+  } else if (e.thread_pool() == "onetbb") {
+    run.runtime.expert_thread_pool = experts::ThreadPool::kOneTbb;
+  } else {
+    return Invalid(absl::StrCat("experts.thread_pool = '", e.thread_pool(),
+                                "' must be openmp or onetbb (or empty)"));
+  }
   // Up to 1 PiB, so that the bytes fit an int64.
   if (!(e.packed_weight_gb() >= 0 && e.packed_weight_gb() <= (1 << 20))) {
     return Invalid(absl::StrCat("experts.packed_weight_gb = ", e.packed_weight_gb(),

@@ -1,14 +1,15 @@
-"""Does LibTorch's OpenMP pool steal cores from the experts' oneTBB workers?
+"""Do the dense layers' threads and the experts' get in each other's way?
 
 moefit runs the dense layers on LibTorch's intra-op threads (GNU OpenMP from
-the torch wheel) and the expert layers on a oneTBB arena of the same size; the
-two never have work at the same time, but OpenMP's threads spin for a while
-after each parallel region before they sleep, and the arena's workers do the
-same after theirs. This runs the same `moefit train` (qwen3_moe, the shape of
+the torch wheel) and, by default, the expert layers' tiles on the same
+threads. OpenMP's threads spin for a while after each parallel region before
+they sleep; with the experts on a oneTBB arena of their own
+(experts.thread_pool onetbb), the arena's workers share the cores with those
+spinning threads. This runs the same `moefit train` (qwen3_moe, the shape of
 train_vs_transformers.py) with OpenMP's wait policy left alone, forced passive
-(sleep at once) and forced active (spin), and with the expert arena one thread
-smaller than the process's count, and prints tokens/s of each as a ratio to
-the default, measured in the same run.
+(sleep at once) and forced active (spin), with the experts on oneTBB, and with
+the experts one thread short of the process's count, and prints tokens/s of
+each as a ratio to the default, measured in the same run.
 
     ~/.cache/moefit/venv/bin/python benchmarks/e2e/thread_budget.py [--threads 2 --mode full|lora]
 """
@@ -60,6 +61,7 @@ def main():
         ("default (OpenMP wait policy unset)", {}, []),
         ("OMP_WAIT_POLICY=PASSIVE", {"OMP_WAIT_POLICY": "PASSIVE"}, []),
         ("OMP_WAIT_POLICY=ACTIVE", {"OMP_WAIT_POLICY": "ACTIVE"}, []),
+        ("experts.thread_pool=onetbb", {}, ["experts.thread_pool=onetbb"]),
     ]
     if args.threads > 1:
         variants.append((f"experts.num_threads={args.threads - 1}", {},

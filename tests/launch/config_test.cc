@@ -315,6 +315,17 @@ TEST(Config, PackedWeightBudget) {
   }
 }
 
+TEST(Config, ExpertThreadPool) {
+  absl::StatusOr<RunConfig> defaults = Resolve("", {});
+  ASSERT_TRUE(defaults.ok()) << defaults.status();
+  EXPECT_EQ(defaults->runtime.expert_thread_pool, experts::ThreadPool::kOpenMp);
+  absl::StatusOr<RunConfig> tbb = Resolve("", {"experts.thread_pool=onetbb"});
+  ASSERT_TRUE(tbb.ok()) << tbb.status();
+  EXPECT_EQ(tbb->runtime.expert_thread_pool, experts::ThreadPool::kOneTbb);
+  EXPECT_EQ(ErrorOf("", {"experts.thread_pool=tbb"}),
+            "experts.thread_pool = 'tbb' must be openmp or onetbb (or empty)");
+}
+
 TEST(Config, DispatchPipelineAndProgressThread) {
   absl::StatusOr<RunConfig> defaults = Resolve("", {});
   ASSERT_TRUE(defaults.ok()) << defaults.status();

@@ -2,17 +2,16 @@
 #include "experts/expert_function.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
 #include <numeric>
 #include <optional>
-#include <type_traits>
 #include <vector>
+
+#include "parallel/internal/row_ops.h"
 
 namespace moefit::experts {
 namespace {
@@ -263,54 +262,15 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
 
 namespace internal {
 
-// A row's copies lie in different experts' rows, each expert's in runs. They
-// are read side by side, a block of each at a time summed in registers and
-// stored once, which the hardware prefetcher follows; whole copy after whole
-// copy, with the next row's copies prefetched by hand, took 1.2-1.5x as long
-// on a 2-core AMD EPYC (Zen 4). expert_layer_bench times it against LibTorch's
-// index_add of the same rows (its copies/ lines).
-at::Tensor SumCopies(const at::Tensor& per_row_in, const at::Tensor& copies_in) {
-  const at::Tensor per_row = per_row_in.contiguous();
-  const at::Tensor copies = copies_in.contiguous();
-  const int64_t rows = copies.size(0), f = copies.size(1), h = per_row.size(1);
-  at::Tensor out = at::empty({rows, h}, per_row.options());
-  const int64_t* cp = copies.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, per_row.scalar_type(), "SumCopies", [&] {
-    using Acc = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    constexpr int64_t kBlock = 128 / static_cast<int64_t>(sizeof(Acc));
-    const scalar_t* src = per_row.data_ptr<scalar_t>();
-    scalar_t* dst = out.data_ptr<scalar_t>();
-    const int64_t grain = std::max<int64_t>(1, (int64_t{64} << 10) / (h * sizeof(Acc) + 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<const scalar_t*> from;
-      for (int64_t r = begin; r < end; ++r) {
-        from.clear();
-        for (int64_t j = 0; j < f; ++j) {
-          if (cp[r * f + j] >= 0) from.push_back(src + cp[r * f + j] * h);
-        }
-        scalar_t* to = dst + r * h;
-        if (from.empty()) {
-          std::fill(to, to + h, scalar_t(0));
-          continue;
-        }
-        for (int64_t i0 = 0; i0 < h; i0 += kBlock) {
-          const int64_t len = std::min(kBlock, h - i0);
-          Acc acc[kBlock];
-          for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<Acc>(from[0][i0 + i]);
-          for (size_t c = 1; c < from.size(); ++c) {
-            const scalar_t* row = from[c] + i0;
-            if (len == kBlock) {  // a constant trip count: vector adds in registers
-              for (int64_t i = 0; i < kBlock; ++i) acc[i] += static_cast<Acc>(row[i]);
-            } else {
-              for (int64_t i = 0; i < len; ++i) acc[i] += static_cast<Acc>(row[i]);
-            }
-          }
-          for (int64_t i = 0; i < len; ++i) to[i0 + i] = static_cast<scalar_t>(acc[i]);
-        }
-      }
-    });
-  });
-  return out;
+// Each row's copies are the members of its group in the relation the
+// dispatchers' Collect sums (parallel/internal/row_ops.h), unweighted: the
+// same side-by-side sum in j order, in float32 (float64 for float64 rows),
+// rounded once here. expert_layer_bench times it against LibTorch's index_add
+// of the same rows (its copies/ lines).
+at::Tensor SumCopies(const at::Tensor& per_row, const at::Tensor& copies) {
+  const parallel::internal::RowRelation relation =
+      parallel::internal::MakeRowRelation(copies.contiguous(), per_row.size(0));
+  return parallel::internal::Collect(per_row, relation).to(per_row.scalar_type());
 }
 
 }  // namespace internal

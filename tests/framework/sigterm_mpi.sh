@@ -21,8 +21,11 @@ extract() { grep -o '"step":[^,]*,\|"loss":[^,]*\|"aux_loss":[^,]*' "$1"; }
 "${run[@]}" "$moefit" train "${common[@]}" --set logging.metrics_file="$dir/whole.jsonl" \
   > "$dir/whole.log" 2>&1 || fail "uninterrupted run failed"
 
-"${run[@]}" "$moefit" train "${common[@]}" "${ckpt[@]}" --set logging.metrics_file="$dir/cut.jsonl" \
-  > "$dir/cut.log" 2>&1 &
+# Rank 0 sleeps 100 ms at the start of every step of this run (the test-only
+# fault hook; the numbers do not change), so that the signal lands mid-run
+# however fast the machine: unslowed, 40 steps can end before step 5 is seen.
+"${run[@]}" -x MOEFIT_FAULT=slow:rank=0:ms=100 "$moefit" train "${common[@]}" "${ckpt[@]}" \
+  --set logging.metrics_file="$dir/cut.jsonl" > "$dir/cut.log" 2>&1 &
 mpirun_pid=$!
 for _ in $(seq 1 1200); do
   grep -q "^step 5/40" "$dir/cut.log" && break

@@ -19,8 +19,11 @@ ckpt=(--set checkpoint.save_dir="$dir/ckpt" --set checkpoint.save_every_steps=10
 "$moefit" train "${common[@]}" --set logging.metrics_file="$dir/whole.jsonl" \
   > "$dir/whole.log" 2>&1 || fail "uninterrupted run failed"
 
-"$moefit" train "${common[@]}" "${ckpt[@]}" --set logging.metrics_file="$dir/cut.jsonl" \
-  > "$dir/cut.log" 2>&1 &
+# A 100 ms sleep at the start of every step of this run (the test-only fault
+# hook; the numbers do not change), so that the signal lands mid-run however
+# fast the machine.
+MOEFIT_FAULT=slow:rank=0:ms=100 "$moefit" train "${common[@]}" "${ckpt[@]}" \
+  --set logging.metrics_file="$dir/cut.jsonl" > "$dir/cut.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 1200); do
   grep -q "^step 5/30" "$dir/cut.log" && break

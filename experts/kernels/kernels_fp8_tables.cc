@@ -2,13 +2,19 @@
 // -mavx512f -mavx512bw -mavx512vl -mavx512vbmi -mfma -mf16c); see
 // internal/fp8_tables.h for why.
 //
-// A table holds, for one scale block, the bfloat16 of each byte value as two
-// byte planes (low and high byte), 256 entries each in four registers.
-// Decoding 64 weight bytes: vpermt2b looks each byte up by its low 7 bits in
-// two registers of a plane, twice (bytes below 128 and from 128), and the sign
-// bit picks one; then four vpermt2b lay the two planes' bytes into the upper
-// half of each float32 lane, a bfloat16 widened exactly. About 11 instructions
-// per 64 elements, where the arithmetic decoder takes about 12 per 16.
+// A table holds, for one scale block, the bfloat16 of each byte value below
+// 128 as two byte planes (low and high byte), 128 entries each in two
+// registers. A byte with the sign bit set stands for the negated value of the
+// byte without it (e4m3 is sign and magnitude, and rounding to nearest even
+// is symmetric), so its bfloat16 is the table's with the sign bit flipped --
+// except the NaN byte 0xff, which must give 0x7f's NaN, as the decoder does.
+// Decoding 64 weight bytes: one vpermt2b per plane looks each byte up by its
+// low 7 bits, one masked byte add flips the sign of the high bytes of the
+// negative non-NaN ones; then four vpermt2b lay the two planes' bytes into the
+// upper half of each float32 lane, a bfloat16 widened exactly. Six byte
+// permutes and two other instructions per 64 elements, where the arithmetic
+// decoder takes about 12 instructions per 16; permutes are what bounds the
+// loops (two cycles each for 512 bits on Zen 4).
 //
 // The loops are SmallRows<true>'s (pack_x86.h), reordered so that one table
 // serves a run of its block, with each element of C still summed in the same
@@ -27,18 +33,18 @@ namespace moefit::experts::kernels::internal {
 namespace {
 
 struct alignas(64) Fp8Table {
-  uint8_t lo[256];  // bits 16-23 of the float32 of byte v's bfloat16
-  uint8_t hi[256];  // bits 24-31
+  uint8_t lo[128];  // bits 16-23 of the float32 of byte v's bfloat16
+  uint8_t hi[128];  // bits 24-31
 };
 
 // Byte v's entry is RoundBf16F(LoadF8(v, scale)), the value SmallRows<true>
-// multiplies by, made by those functions: NaN bytes, subnormals, either sign
-// and any scale give its bits. RoundBf16F clears the low 16 bits, so the two
-// planes hold the whole float.
+// multiplies by, made by those functions: the NaN byte, subnormals and any
+// scale give its bits. RoundBf16F clears the low 16 bits, so the two planes
+// hold the whole float.
 void MakeTable(float scale, Fp8Table* t) {
-  alignas(64) uint8_t bytes[256];
-  for (int v = 0; v < 256; ++v) bytes[v] = static_cast<uint8_t>(v);
-  for (int q = 0; q < 16; ++q) {
+  alignas(64) uint8_t bytes[128];
+  for (int v = 0; v < 128; ++v) bytes[v] = static_cast<uint8_t>(v);
+  for (int q = 0; q < 8; ++q) {
     const __m512i bits = _mm512_castps_si512(RoundBf16F(LoadF8(bytes, 16 * q, scale)));
     _mm_store_si128(reinterpret_cast<__m128i*>(t->lo + 16 * q),
                     _mm512_cvtepi32_epi8(_mm512_srli_epi32(bits, 16)));
@@ -73,12 +79,12 @@ class Tables {
 
 // One table in registers.
 struct Planes {
-  __m512i lo[4], hi[4];
+  __m512i lo[2], hi[2];
 };
 
 inline Planes LoadPlanes(const Fp8Table& t) {
   Planes p;
-  for (int r = 0; r < 4; ++r) {
+  for (int r = 0; r < 2; ++r) {
     p.lo[r] = _mm512_load_si512(t.lo + 64 * r);
     p.hi[r] = _mm512_load_si512(t.hi + 64 * r);
   }
@@ -106,19 +112,17 @@ Spread MakeSpread() {
   return s;
 }
 
-inline __m512i LookUp(const __m512i plane[4], __m512i x, __mmask64 from_128) {
-  return _mm512_mask_blend_epi8(from_128, _mm512_permutex2var_epi8(plane[0], x, plane[1]),
-                                _mm512_permutex2var_epi8(plane[2], x, plane[3]));
-}
-
 // 64 bytes x looked up in both planes: the low and the high byte of each
-// one's bfloat16.
+// one's bfloat16. vpermt2b reads an index's low 7 bits only; the bytes
+// 0x80-0xfe, negative as int8 and below -1 (0xff), get the sign flipped.
 struct Looked {
   __m512i lo, hi;
 };
 inline Looked LookUpBytes(const Planes& p, __m512i x) {
-  const __mmask64 from_128 = _mm512_movepi8_mask(x);
-  return {LookUp(p.lo, x, from_128), LookUp(p.hi, x, from_128)};
+  const __mmask64 negative = _mm512_cmplt_epi8_mask(x, _mm512_set1_epi8(-1));
+  const __m512i hi = _mm512_permutex2var_epi8(p.hi[0], x, p.hi[1]);
+  return {_mm512_permutex2var_epi8(p.lo[0], x, p.lo[1]),
+          _mm512_mask_add_epi8(hi, negative, hi, _mm512_set1_epi8(-128))};
 }
 
 // Elements 16q.. 16q + 15 of the 64 looked up, as float32 weights.

@@ -9,9 +9,11 @@
 // element as bfloat16(e4m3 x block scale), and decoding, scaling and rounding
 // take about a dozen vector instructions per 16 elements: FP8 ran slower than
 // bfloat16. Within one 128 x 128 scale block each of the 256 byte values
-// stands for one bfloat16, so the 256 results are made once per block, with
-// SmallRows<true>'s own decoder (the same bits for every byte and scale), and
-// each 64 bytes of weight become 64 floats by byte permutes (vpermt2b).
+// stands for one bfloat16, and a byte with the sign bit set for the negation
+// of the one without (bar the NaN byte), so the 128 results of the bytes
+// below 128 are made once per block, with SmallRows<true>'s own decoder (the
+// same bits for every byte and scale), and each 64 bytes of weight become 64
+// floats by byte permutes (vpermt2b).
 //
 // The same tables expand the compact packs that keep FP8 weights for the
 // blocked path (ExpandFp8PairsByTables, below) and make that path's packs of

@@ -50,8 +50,11 @@ inline constexpr int64_t kFp8TableMaxRows = 8;
 // CPU: on one core of a Zen 5 (H 2048, I 768) the tables ran 1.2-2.3x as
 // fast as the decoder at 1-3 rows k-contiguous and 0.9-1.0x at 4, 1.0-2.4x
 // at 1-5 rows n-contiguous and 1.0x at 6; on a Xeon with AMX forward + dX
-// together ran 1.29x, 1.20x and 1.12x as fast at 4, 5 and 6 rows. So the
-// limits are measured once per process (MeasureFp8TableRows), unless held.
+// together ran 1.29x, 1.20x and 1.12x as fast at 4, 5 and 6 rows; on a Zen 4,
+// since the tables hold 128 entries and the forward sums 8 columns at once
+// for up to 2 rows, they measure as the faster up to 7 or 8 rows in both
+// layouts. So the limits are measured once per process
+// (MeasureFp8TableRows), unless held.
 struct Fp8TableRowLimits {
   int64_t k_contiguous = 0, n_contiguous = 0;
 };

@@ -30,8 +30,18 @@ struct Tile {
   int64_t size = 0;
 };
 
+// Tiles handed out largest first (by cost(tile), ties in their order), so
+// that the last ones to start, while other threads have run out of work, are
+// the shortest. Which thread computes a tile, and when, changes no bits:
+// each tile writes its own rows or block.
+template <typename T, typename Cost>
+void LargestFirst(std::vector<T>& tiles, const Cost& cost) {
+  std::stable_sort(tiles.begin(), tiles.end(),
+                   [&](const T& a, const T& b) { return cost(a) > cost(b); });
+}
+
 // Cuts each segment (segment s: counts[s] rows of expert s % num_experts)
-// into blocks of at most `block` rows.
+// into blocks of at most `block` rows, largest first.
 std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t num_experts,
                            int64_t block) {
   std::vector<Tile> tiles;
@@ -43,6 +53,7 @@ std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t num_exper
     }
     row += counts[s];
   }
+  LargestFirst(tiles, [](const Tile& t) { return t.size; });
   return tiles;
 }
 
@@ -670,6 +681,32 @@ class GroupedBackend final : public ExpertBackend {
         add_blocks(Grad::kGateUpA, e, hidden);
       }
     }
+    std::vector<int64_t> expert_rows(num_experts, 0);
+    for (int64_t e = 0; e < num_experts; ++e) {
+      for (const Tile& seg : segments[e]) expert_rows[e] += seg.size;
+    }
+    // A block's cost: the expert's rows x the block's extent x the other
+    // side of that gradient (the rank r for the LoRA factors).
+    const int64_t down_rank = lora_down ? lora.down_a.size(1) : 0;
+    const int64_t gate_up_rank = lora_gu ? lora.gate_up_a.size(1) : 0;
+    auto other_side = [&](Grad grad) -> int64_t {
+      switch (grad) {
+        case Grad::kDown:
+          return inter;
+        case Grad::kGateUp:
+          return hidden;
+        case Grad::kDownA:
+        case Grad::kDownB:
+          return down_rank;
+        case Grad::kGateUpA:
+        case Grad::kGateUpB:
+          return gate_up_rank;
+      }
+      return 0;
+    };
+    LargestFirst(wtiles, [&](const WeightTile& wt) {
+      return expert_rows[wt.expert] * wt.size * other_side(wt.grad);
+    });
     RunTiles(wtiles.size(), [&](size_t t) {
       const WeightTile& wt = wtiles[t];
       const std::vector<Tile>& segs = segments[wt.expert];

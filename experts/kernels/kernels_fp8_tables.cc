@@ -13,8 +13,7 @@
 // negative non-NaN ones; then four vpermt2b lay the two planes' bytes into the
 // upper half of each float32 lane, a bfloat16 widened exactly. Six byte
 // permutes and two other instructions per 64 elements, where the arithmetic
-// decoder takes about 12 instructions per 16; permutes are what bounds the
-// loops (two cycles each for 512 bits on Zen 4).
+// decoder takes about 12 instructions per 16.
 //
 // The loops are SmallRows<true>'s (pack_x86.h), reordered so that one table
 // serves a run of its block, with each element of C still summed in the same

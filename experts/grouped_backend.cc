@@ -641,11 +641,13 @@ class GroupedBackend final : public ExpertBackend {
     // Splitting the long dimension keeps a hot expert parallel. With a frozen
     // base only the (cheap, rank-r) LoRA gradients run.
     std::vector<std::vector<Tile>> segments(num_experts);  // per expert: its row ranges
+    std::vector<int64_t> expert_rows(num_experts, 0);
     int64_t row = 0;
     for (size_t s = 0; s < counts.size(); ++s) {
       if (counts[s] > 0) {
         const int64_t e = static_cast<int64_t>(s) % num_experts;
         segments[e].push_back({e, row, counts[s]});
+        expert_rows[e] += counts[s];
       }
       row += counts[s];
     }
@@ -653,12 +655,17 @@ class GroupedBackend final : public ExpertBackend {
     struct WeightTile {
       Grad grad;
       int64_t expert, begin, size;
+      int64_t cost;  // the expert's rows x the block's extent x the gradient's other side
     };
     std::vector<WeightTile> wtiles;
     constexpr int64_t kWeightRows = 512;
-    auto add_blocks = [&](Grad grad, int64_t e, int64_t extent) {
-      for (int64_t r = 0; r < extent; r += kWeightRows)
-        wtiles.push_back({grad, e, r, std::min(kWeightRows, extent - r)});
+    // Blocks of `extent` (the gradient's long side); `other` is its other
+    // side, the rank r for the LoRA factors.
+    auto add_blocks = [&](Grad grad, int64_t e, int64_t extent, int64_t other) {
+      for (int64_t r = 0; r < extent; r += kWeightRows) {
+        const int64_t n = std::min(kWeightRows, extent - r);
+        wtiles.push_back({grad, e, r, n, expert_rows[e] * n * other});
+      }
     };
     for (int64_t e = 0; e < num_experts; ++e) {
       if (segments[e].empty()) {
@@ -669,44 +676,21 @@ class GroupedBackend final : public ExpertBackend {
         continue;
       }
       if (base) {
-        add_blocks(Grad::kDown, e, hidden);
-        add_blocks(Grad::kGateUp, e, 2 * inter);
+        add_blocks(Grad::kDown, e, hidden, inter);
+        add_blocks(Grad::kGateUp, e, 2 * inter, hidden);
       }
       if (lora_down) {
-        add_blocks(Grad::kDownB, e, hidden);
-        add_blocks(Grad::kDownA, e, inter);
+        const int64_t r = lora.down_a.size(1);
+        add_blocks(Grad::kDownB, e, hidden, r);
+        add_blocks(Grad::kDownA, e, inter, r);
       }
       if (lora_gu) {
-        add_blocks(Grad::kGateUpB, e, 2 * inter);
-        add_blocks(Grad::kGateUpA, e, hidden);
+        const int64_t r = lora.gate_up_a.size(1);
+        add_blocks(Grad::kGateUpB, e, 2 * inter, r);
+        add_blocks(Grad::kGateUpA, e, hidden, r);
       }
     }
-    std::vector<int64_t> expert_rows(num_experts, 0);
-    for (int64_t e = 0; e < num_experts; ++e) {
-      for (const Tile& seg : segments[e]) expert_rows[e] += seg.size;
-    }
-    // A block's cost: the expert's rows x the block's extent x the other
-    // side of that gradient (the rank r for the LoRA factors).
-    const int64_t down_rank = lora_down ? lora.down_a.size(1) : 0;
-    const int64_t gate_up_rank = lora_gu ? lora.gate_up_a.size(1) : 0;
-    auto other_side = [&](Grad grad) -> int64_t {
-      switch (grad) {
-        case Grad::kDown:
-          return inter;
-        case Grad::kGateUp:
-          return hidden;
-        case Grad::kDownA:
-        case Grad::kDownB:
-          return down_rank;
-        case Grad::kGateUpA:
-        case Grad::kGateUpB:
-          return gate_up_rank;
-      }
-      return 0;
-    };
-    LargestFirst(wtiles, [&](const WeightTile& wt) {
-      return expert_rows[wt.expert] * wt.size * other_side(wt.grad);
-    });
+    LargestFirst(wtiles, [](const WeightTile& wt) { return wt.cost; });
     RunTiles(wtiles.size(), [&](size_t t) {
       const WeightTile& wt = wtiles[t];
       const std::vector<Tile>& segs = segments[wt.expert];

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <vector>
 
+#include "framework/causal_attention.h"
+
 namespace moefit::framework {
 namespace {
 
@@ -42,17 +44,30 @@ at::Tensor RotatePartial(const at::Tensor& x, const at::Tensor& cos, const at::T
                  -1);
 }
 
-// Scaled dot-product attention: causal through SDPA's is_causal fast path, or
-// with the explicit mask of packed sequences (is_causal and a mask are
-// exclusive in SDPA; the mask is causal itself).
-at::Tensor Attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                  const at::Tensor& mask, double scale) {
-  if (!mask.defined()) {
+// Scaled dot-product attention; k and v may carry fewer heads than q (GQA:
+// query head h reads key-value head h / (heads / kv_heads)). Causal, and
+// within segments where segment_ids is defined. Float32 attention on the CPU
+// takes moefit's kernel, which skips the scores it masks
+// (causal_attention.h); otherwise SDPA, causal through its is_causal fast
+// path, or with the explicit mask of packed sequences (is_causal and a mask
+// are exclusive in SDPA; the mask is causal itself).
+at::Tensor Attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const at::Tensor& segment_ids,
+                  double scale) {
+  if (CausalAttentionApplies(q, k, v)) {
+    return CausalAttention(q, k, v, scale,
+                           segment_ids.defined() ? SegmentStarts(segment_ids) : at::Tensor());
+  }
+  const int64_t groups = q.size(1) / k.size(1);
+  if (groups > 1) {
+    k = k.repeat_interleave(groups, 1);
+    v = v.repeat_interleave(groups, 1);
+  }
+  if (!segment_ids.defined()) {
     return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
                                             /*is_causal=*/true, scale);
   }
-  return at::scaled_dot_product_attention(q, k, v, mask, /*dropout_p=*/0.0, /*is_causal=*/false,
-                                          scale);
+  return at::scaled_dot_product_attention(q, k, v, SegmentCausalMask(segment_ids),
+                                          /*dropout_p=*/0.0, /*is_causal=*/false, scale);
 }
 
 // YaRN's magnitude correction 0.1 * m * ln(s) + 1 (1 for s <= 1).
@@ -249,7 +264,7 @@ at::Tensor SegmentCausalMask(const at::Tensor& segment_ids) {
 }
 
 at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Tensor& x,
-                        const RotaryTables& rope, const at::Tensor& mask) {
+                        const RotaryTables& rope, const at::Tensor& segment_ids) {
   const int64_t b = x.size(0), t = x.size(1), hd = o.head_dim;
   auto heads = [&](const at::Tensor& proj, const at::Tensor& bias, const LoraAdapter& lora,
                    int64_t n) {
@@ -264,12 +279,7 @@ at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Te
   }
   q = RotatePartial(q.transpose(1, 2), rope.cos, rope.sin);  // [B, heads, T, hd]
   k = RotatePartial(k.transpose(1, 2), rope.cos, rope.sin);
-  const int64_t groups = o.num_attention_heads / o.num_key_value_heads;
-  if (groups > 1) {
-    k = k.repeat_interleave(groups, 1);
-    v = v.repeat_interleave(groups, 1);
-  }
-  at::Tensor attn = Attend(q, k, v, mask, rope.softmax_scale);
+  at::Tensor attn = Attend(q, k, v, segment_ids, rope.softmax_scale);
   return Linear(attn.transpose(1, 2).reshape({b, t, o.num_attention_heads * hd}), w.o_proj, {},
                 w.o_lora);
 }
@@ -278,7 +288,7 @@ at::Tensor GqaAttention(const ModelOptions& o, const GqaWeights& w, const at::Te
 // and values expanded per head from one normalized latent of kv_lora_rank
 // dims, plus a single rotary key of qk_rope_head_dim dims shared by all heads.
 at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const at::Tensor& x,
-                           const RotaryTables& rope, const at::Tensor& mask) {
+                           const RotaryTables& rope, const at::Tensor& segment_ids) {
   const int64_t b = x.size(0), t = x.size(1), heads = o.num_attention_heads;
   const int64_t nope = o.qk_nope_head_dim, rope_dim = o.qk_rope_head_dim;
   at::Tensor q =
@@ -299,7 +309,7 @@ at::Tensor LatentAttention(const ModelOptions& o, const LatentWeights& w, const 
                       .transpose(1, 2);  // [B, heads, T, nope + v]
   at::Tensor key = at::cat({kv.narrow(-1, 0, nope), k_rot.expand({b, heads, t, rope_dim})}, -1);
   at::Tensor value = kv.narrow(-1, nope, o.v_head_dim);
-  at::Tensor attn = Attend(query, key, value, mask, rope.softmax_scale);
+  at::Tensor attn = Attend(query, key, value, segment_ids, rope.softmax_scale);
   return Linear(attn.transpose(1, 2).reshape({b, t, heads * o.v_head_dim}), w.o_proj, {}, w.o_lora);
 }
 

@@ -47,10 +47,11 @@ struct GqaWeights {
   LoraAdapter q_lora, k_lora, v_lora, o_lora;  // LoRA fine-tuning: the projections' adapters
 };
 
-// x: [B, T, H] -> [B, T, H]. Causal; with `mask` (SegmentCausalMask) also
-// within segments only.
+// x: [B, T, H] -> [B, T, H]. Causal; with `segment_ids` ([B, T], packed
+// sequences: 0, 1, ... for the consecutive segments of each row) also within
+// segments only (SegmentCausalMask).
 at::Tensor GqaAttention(const ModelOptions& options, const GqaWeights& w, const at::Tensor& x,
-                        const RotaryTables& rope, const at::Tensor& mask = {});
+                        const RotaryTables& rope, const at::Tensor& segment_ids = {});
 
 struct LatentWeights {
   at::Tensor q_proj;                        // without q_lora_rank
@@ -62,6 +63,6 @@ struct LatentWeights {
 // Multi-head latent attention. x: [B, T, H] -> [B, T, H]; masked as
 // GqaAttention.
 at::Tensor LatentAttention(const ModelOptions& options, const LatentWeights& w, const at::Tensor& x,
-                           const RotaryTables& rope, const at::Tensor& mask = {});
+                           const RotaryTables& rope, const at::Tensor& segment_ids = {});
 
 }  // namespace moefit::framework

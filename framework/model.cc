@@ -551,14 +551,14 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
 }
 
 at::Tensor MoeModel::DecoderLayer(const Layer& l, const at::Tensor& hidden_in,
-                                  const RotaryTables& rope, const at::Tensor& mask,
+                                  const RotaryTables& rope, const at::Tensor& segments,
                                   MoeLayerRouting* routing) {
   const ModelOptions& o = options_;
   const int64_t b = hidden_in.size(0), t = hidden_in.size(1);
   at::Tensor normed = RmsNorm(hidden_in, l.input_norm, o.rms_norm_eps);
   at::Tensor hidden = hidden_in + (o.attention == AttentionKind::kMla
-                                       ? LatentAttention(o, l.mla, normed, rope, mask)
-                                       : GqaAttention(o, l.gqa, normed, rope, mask));
+                                       ? LatentAttention(o, l.mla, normed, rope, segments)
+                                       : GqaAttention(o, l.gqa, normed, rope, segments));
   normed = RmsNorm(hidden, l.post_attn_norm, o.rms_norm_eps);
   if (!l.moe) return hidden + SwiGlu(normed, l.mlp);
   at::Tensor flat = normed.reshape({b * t, o.hidden_size});
@@ -572,14 +572,14 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& p
   at::Tensor ids = input_ids.to(dev);
   const int64_t b = ids.size(0), t = ids.size(1);
   ForwardResult result;
-  // The mask and gathered rotary tables only where a batch needs them: the
-  // byte stream (one segment per row, positions 0..T-1) keeps SDPA's
-  // is_causal kernel and the shared [T, rotary_dim] tables. Routing is per
-  // token and needs neither.
-  at::Tensor mask;
+  // Segments and gathered rotary tables only where a batch needs them: the
+  // byte stream (one segment per row, positions 0..T-1) keeps plain causal
+  // attention and the shared [T, rotary_dim] tables. Routing is per token and
+  // needs neither.
+  at::Tensor segments;
   if (segment_ids.defined() && t > 1 &&
       segment_ids.narrow(1, 1, t - 1).ne(segment_ids.narrow(1, 0, t - 1)).any().item<bool>()) {
-    mask = SegmentCausalMask(segment_ids.to(dev));
+    segments = segment_ids.to(dev);
   }
   const bool plain_positions =
       !position_ids.defined() ||
@@ -599,9 +599,9 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& p
       auto first = std::make_shared<MoeLayerRouting>();
       auto seen = std::make_shared<bool>(false);
       const Layer* layer = &l;
-      auto fn = [this, layer, rope, mask, first, seen](const std::vector<at::Tensor>& in) {
+      auto fn = [this, layer, rope, segments, first, seen](const std::vector<at::Tensor>& in) {
         MoeLayerRouting r;
-        at::Tensor out = DecoderLayer(*layer, in[0], rope, mask, &r);
+        at::Tensor out = DecoderLayer(*layer, in[0], rope, segments, &r);
         if (!*seen) {
           *first = r;
           *seen = true;
@@ -614,7 +614,7 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& p
       routing.prob_sum = outs[1];
       routing.seq_balance_sum = outs[2];
     } else {
-      hidden = DecoderLayer(l, hidden, rope, mask, &routing);
+      hidden = DecoderLayer(l, hidden, rope, segments, &routing);
     }
     if (l.moe) result.moe_layers.push_back(std::move(routing));
   }

@@ -226,7 +226,7 @@ class MoeModel {
   };
   std::vector<LinearSlot> LinearSlots();
   at::Tensor DecoderLayer(const Layer& layer, const at::Tensor& hidden, const RotaryTables& rope,
-                          const at::Tensor& mask, MoeLayerRouting* routing);
+                          const at::Tensor& segments, MoeLayerRouting* routing);
   // x: [num_sequences * T, H] (sequence-major).
   at::Tensor Moe(const Layer& layer, const at::Tensor& x, int64_t num_sequences,
                  MoeLayerRouting* routing);

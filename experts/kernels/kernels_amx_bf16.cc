@@ -251,6 +251,7 @@ const PackedKernels& AmxBf16Kernels() {
                                &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
+                               &ExpSumAvx2,
                                &StoreBf16RowAvx512,
                                /*k_pad_pairs=*/kTilePairs,
                                &BeginTiles,

@@ -32,6 +32,7 @@ const PackedKernels& Avx2F32Kernels() {
                                &SmallRows<>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
+                               &ExpSumAvx2,
                                &StoreBf16RowAvx2};
   return k;
 }

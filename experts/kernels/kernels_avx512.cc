@@ -33,6 +33,7 @@ const PackedKernels& Avx512F32Kernels() {
                                &SmallRows<>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
+                               &ExpSumAvx2,
                                &StoreBf16RowAvx512};
   return k;
 }

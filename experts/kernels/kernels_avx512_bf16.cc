@@ -129,6 +129,7 @@ const PackedKernels& Avx512Bf16PairKernels() {
                                &SmallRows</*kRoundFp8=*/true>,
                                &SiluMulAvx2,
                                &SiluMulBackwardAvx2,
+                               &ExpSumAvx2,
                                &StoreBf16RowAvx512,
                                /*k_pad_pairs=*/1,
                                /*begin=*/nullptr,

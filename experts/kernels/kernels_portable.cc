@@ -50,6 +50,7 @@ const PackedKernels& PortableF32Kernels() {
                                nullptr,
                                &SiluMulScalar,
                                &SiluMulBackwardScalar,
+                               &ExpSumScalar,
                                &StoreBf16RowScalar};
   return k;
 }

@@ -1,10 +1,10 @@
-// SwiGLU's activation on float32 rows, eight lanes at a time (AVX2 + FMA):
-// included by the kernel files compiled for AVX2 and wider, with internal
-// linkage (see packed_kernels.h). exp is Cephes' single-precision
-// polynomial (range reduction by ln 2 in two parts, degree-5 polynomial,
-// exponent bits added back): a few units in the last place of expf over
-// the clamped range; the remainder of each row takes the scalar loops
-// (swiglu_scalar.h).
+// SwiGLU's activation and the softmax's exponentials on float32 rows, eight
+// lanes at a time (AVX2 + FMA): included by the kernel files compiled for AVX2
+// and wider, with internal linkage (see packed_kernels.h). exp is Cephes'
+// single-precision polynomial (range reduction by ln 2 in two parts, degree-5
+// polynomial, exponent bits added back): a few units in the last place of
+// expf over the clamped range; the remainder of each row takes the scalar
+// loops (swiglu_scalar.h).
 #pragma once
 
 #include <cstdint>
@@ -67,6 +67,24 @@ void SiluMulBackwardAvx2(const float* g, const float* u, const float* dh, float*
     _mm256_storeu_ps(du + j, _mm256_mul_ps(d, act));
   }
   SiluMulBackwardScalar(g + j, u + j, dh + j, h + j, dg + j, du + j, n - j);
+}
+
+// The softmax's exponentials: x[j] = exp(x[j] * scale - shift), their sum
+// (eight lane sums, then across the lanes, then the remainder's).
+float ExpSumAvx2(float* x, int64_t n, float scale, float shift) {
+  const __m256 vs = _mm256_set1_ps(scale), vshift = _mm256_set1_ps(shift);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = ExpAvx2(_mm256_fmsub_ps(_mm256_loadu_ps(x + j), vs, vshift));
+    _mm256_storeu_ps(x + j, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  float sum = 0;
+  for (float v : lanes) sum += v;
+  return sum + ExpSumScalar(x + j, n - j, scale, shift);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// SwiGLU's activation on float32 rows, one element at a time with std::exp:
-// the portable kernels' (see swiglu_avx2.h for the vector ones).
+// SwiGLU's activation and the softmax's exponentials on float32 rows, one
+// element at a time with std::exp: the portable kernels' (see swiglu_avx2.h
+// for the vector ones).
 #pragma once
 
 #include <cmath>
@@ -24,6 +25,16 @@ void SiluMulBackwardScalar(const float* g, const float* u, const float* dh, floa
     dg[j] = dh[j] * u[j] * s * (1.0f + g[j] * (1.0f - s));
     du[j] = dh[j] * act;
   }
+}
+
+// The softmax's exponentials: x[j] = exp(x[j] * scale - shift), their sum.
+float ExpSumScalar(float* x, int64_t n, float scale, float shift) {
+  float sum = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    x[j] = std::exp(x[j] * scale - shift);
+    sum += x[j];
+  }
+  return sum;
 }
 
 }  // namespace

@@ -40,10 +40,13 @@ TARGETS = {
 TOLERANCE = 1e-4
 
 
+LR = 2e-2
+
+
 def train_adapter(build_dir, family, hf, out, *extra, np=2, steps=4):
     moefit(build_dir, "train", "--set", f"model.model_path={hf}", "--set", f"train.steps={steps}",
            "--set", "train.seq_len=32", "--set", "train.micro_batch_size=2",
-           "--set", "optimizer.lr=2e-2", "--set", "schedule.warmup_steps=0",
+           "--set", f"optimizer.lr={LR}", "--set", "schedule.warmup_steps=0",
            "--set", "train.mode=lora", "--set", "lora.rank=4", "--set", "lora.alpha=8",
            "--set", f"lora.target_modules={TARGETS[family]}",
            "--set", f"checkpoint.save_dir={out}", *extra, np=np)
@@ -131,8 +134,11 @@ def test_two_processes_train_the_adapter_of_one(build_dir, tmp_path):
     one, two = runs[1], runs[2]
     assert len(one[0]) == 4 and one[0] == pytest.approx(two[0], rel=1e-5)
     assert set(one[1]) == set(two[1])
+    # Two processes sum the loss and the gradients in another order than one
+    # does, so they differ by rounding, which AdamW's normalized steps carry
+    # into the weights: allowed up to a thousandth of one step's size (lr).
     for k in one[1]:
-        assert torch.allclose(one[1][k], two[1][k], atol=1e-5, rtol=1e-4), k
+        assert torch.allclose(one[1][k], two[1][k], atol=1e-3 * LR, rtol=1e-4), k
 
     # Continued from the saved adapter: its first loss is below the first run's
     # last (it starts where that run ended, not from B = 0).

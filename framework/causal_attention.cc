@@ -183,6 +183,33 @@ void BackwardHead(kern::Isa isa, const Heads& q, const Heads& k, const Heads& v,
   }
 }
 
+// Per-query-head gradients [B, heads, T, d] (TokenMajor) summed over each
+// group of heads / kv_heads consecutive heads, in head order -> [B, kv_heads,
+// T, d], also token-major: one pass over the rows.
+at::Tensor SumGroups(const at::Tensor& per_head, int64_t kv_heads) {
+  const int64_t batch = per_head.size(0), heads = per_head.size(1);
+  const int64_t t_size = per_head.size(2), d = per_head.size(3);
+  if (heads == kv_heads) return per_head;
+  const int64_t groups = heads / kv_heads;
+  at::Tensor out = TokenMajor(batch, kv_heads, t_size, d);
+  const Heads in(per_head), o(out);
+  at::parallel_for(0, batch * t_size, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; ++bt) {
+      const int64_t b = bt / t_size, t = bt % t_size;
+      for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
+        float* dst = o.Row(b, kvh, t);
+        const float* first = in.Row(b, kvh * groups, t);
+        std::copy(first, first + d, dst);
+        for (int64_t g = 1; g < groups; ++g) {
+          const float* src = in.Row(b, kvh * groups + g, t);
+          for (int64_t j = 0; j < d; ++j) dst[j] += src[j];
+        }
+      }
+    }
+  });
+  return out;
+}
+
 class CausalAttentionFunction : public torch::autograd::Function<CausalAttentionFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& q_in,
@@ -242,11 +269,7 @@ class CausalAttentionFunction : public torch::autograd::Function<CausalAttention
                      hdv, b, h, h / groups, t_size, d_qk, d_v, scale, s);
       }
     });
-    if (groups > 1) {
-      dk = dk.view({batch, kv_heads, groups, t_size, d_qk}).sum(2);
-      dv = dv.view({batch, kv_heads, groups, t_size, d_v}).sum(2);
-    }
-    return {dq, dk, dv, at::Tensor(), at::Tensor()};
+    return {dq, SumGroups(dk, kv_heads), SumGroups(dv, kv_heads), at::Tensor(), at::Tensor()};
   }
 
  private:

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "framework/cpu_linear.h"
 
 namespace moefit::framework {
 namespace {
@@ -49,7 +50,8 @@ at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tenso
                   const LoraAdapter& adapter) {
   at::Tensor y;
   if (weight.scalar_type() == x.scalar_type()) {
-    y = at::linear(x, weight, bias);
+    y = CpuLinearApplies(x, weight, bias) ? CpuLinear(x, weight, bias)
+                                          : at::linear(x, weight, bias);
   } else {
     TORCH_CHECK(!weight.requires_grad(), "a trained weight must have the activations' dtype ",
                 x.scalar_type(), ", not ", weight.scalar_type());

@@ -106,13 +106,19 @@ class CpuLinearFunction : public torch::autograd::Function<CpuLinearFunction> {
     if (want_db) db = at::empty({n}, flat.options());
     if (want_dw || want_db) {
       // dw = dyᵀ · x and db = the column sums of dy, by feature blocks, each
-      // over all the tokens in token order.
+      // over all the tokens in token order; x packed once for all the blocks
+      // (the same bits as packing it in each block's call).
+      // (No tokens or no inputs: dw is zero or empty, nothing to pack.)
+      const bool gemm_dw = want_dw && m > 0 && k > 0;
+      if (want_dw && !gemm_dw) dw.zero_();
+      kern::PackedB x_packed;
+      if (gemm_dw) x_packed = kern::PackedB(isa, kern::ElemType::kF32, m, k, RowsOf(flat, 0));
       at::parallel_for(0, NumBlocks(n, kFeatureBlock), 1, [&](int64_t begin, int64_t end) {
         for (int64_t blk = begin; blk < end; ++blk) {
           const int64_t f0 = blk * kFeatureBlock, features = std::min(kFeatureBlock, n - f0);
-          if (want_dw) {
-            kern::Gemm(isa, features, k, m, ColumnsTransposed(dy, f0), RowsOf(flat, 0),
-                       OutRows(dw, f0), /*accumulate=*/false, kern::RowPath::kBlocked);
+          if (gemm_dw) {
+            kern::Gemm(isa, features, ColumnsTransposed(dy, f0), x_packed, OutRows(dw, f0),
+                       /*accumulate=*/false, kern::RowPath::kBlocked);
           }
           if (want_db) {
             float* out = db.data_ptr<float>() + f0;

@@ -3,7 +3,7 @@
 //
 // Why not LibTorch's (MKL's) sgemm: at the shapes of a small model's training
 // step (2048 tokens, 512 inputs, 256-512 outputs) moefit's blocked kernels ran
-// forward and backward at 1.05-1.34x its speed on two threads of a Zen 4
+// forward and backward at 1.06-1.27x its speed on two threads of a Zen 4
 // (benchmarks/framework/linear_bench.cc; the most with a frozen weight), and
 // their results do not depend on the thread count.
 //

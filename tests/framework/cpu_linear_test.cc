@@ -1,8 +1,9 @@
 // The CPU linear map on moefit's GEMM (framework/cpu_linear.h) against
 // at::linear in float64 and in float32, forward and the three gradients, on
 // every instruction set this CPU runs: odd shapes, several row and feature
-// blocks, one row, 3-D inputs, bias or none, a frozen weight; the same bits
-// at one and two threads and for a token whatever else shares its batch.
+// blocks, one row, 3-D inputs, bias or none, no inputs or no tokens, a frozen
+// weight; the same bits at one and two threads and for a token whatever else
+// shares its batch.
 #include "framework/cpu_linear.h"
 
 #include <ATen/ATen.h>
@@ -114,7 +115,8 @@ INSTANTIATE_TEST_SUITE_P(All, CpuLinearShapes,
                                            Shape{{37, 29}, 13, true},        // odd
                                            Shape{{2, 300, 64}, 130, false},  // 3-D, blocks
                                            Shape{{600, 48}, 200, true},      // blocks, bias
-                                           Shape{{7, 3, 0}, 6, true}));      // K = 0
+                                           Shape{{7, 3, 0}, 6, true},        // K = 0
+                                           Shape{{0, 8}, 5, true}));         // no tokens
 
 TEST(CpuLinear, SameBitsAtOneAndTwoThreads) {
   const Inputs in = MakeInputs({{700, 96}, 150, true}, 4);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "experts/kernels/isa.h"
+#include "tests/framework/at_threads.h"
 
 namespace moefit::framework {
 namespace {
@@ -183,12 +184,10 @@ TEST(CausalAttention, SameBitsAtOneAndTwoThreads) {
   const Shape s{2, 4, 2, 150, 32, 32};
   const Inputs in = MakeInputs(s, 3);
   auto run = [&](int threads) {
-    const int before = at::get_num_threads();
-    at::set_num_threads(threads);
-    Result r = RunAttention(
-        in, at::kFloat, [&](auto q, auto k, auto v) { return CausalAttention(q, k, v, 0.125); });
-    at::set_num_threads(before);
-    return r;
+    return AtThreads(threads, [&] {
+      return RunAttention(in, at::kFloat,
+                          [&](auto q, auto k, auto v) { return CausalAttention(q, k, v, 0.125); });
+    });
   };
   const Result one = run(1), two = run(2);
   EXPECT_TRUE(at::equal(one.out, two.out));

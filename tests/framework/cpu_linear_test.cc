@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "experts/kernels/isa.h"
+#include "tests/framework/at_threads.h"
 
 namespace moefit::framework {
 namespace {
@@ -121,11 +122,7 @@ INSTANTIATE_TEST_SUITE_P(All, CpuLinearShapes,
 TEST(CpuLinear, SameBitsAtOneAndTwoThreads) {
   const Inputs in = MakeInputs({{700, 96}, 150, true}, 4);
   auto run = [&](int threads) {
-    const int before = at::get_num_threads();
-    at::set_num_threads(threads);
-    Result r = RunLinear(in, at::kFloat, true, Ours);
-    at::set_num_threads(before);
-    return r;
+    return AtThreads(threads, [&] { return RunLinear(in, at::kFloat, true, Ours); });
   };
   const Result one = run(1), two = run(2);
   EXPECT_TRUE(at::equal(one.y, two.y));

@@ -51,7 +51,7 @@ struct PackedKernels {
   void (*silu_mul)(const float* g, const float* u, float* h, int64_t n);
   void (*silu_mul_backward)(const float* g, const float* u, const float* dh, float* h, float* dg,
                             float* du, int64_t n);
-  // The softmax's exponentials over one float32 row of n (vector_math.h):
+  // The softmax's exponentials over one float32 row of n (exp_sum.h):
   // x[j] = exp(x[j] * scale - shift); returns their sum.
   float (*exp_sum)(float* x, int64_t n, float scale, float shift);
   // A float32 row written to a bfloat16 output (round to nearest even),

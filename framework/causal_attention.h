@@ -1,14 +1,13 @@
 // Causal self-attention on the CPU in float32, forward and backward, that
 // computes only the blocks of scores at or below the diagonal.
 //
-// Why not SDPA's CPU flash kernel: at the sequence lengths of fine-tuning
-// batches (a few hundred to a few thousand tokens) its key blocks are 512
-// wide, so for the causal case it computes every score of the sequence and
-// masks half of them away, forward and backward (the backward recomputes the
-// scores and three more products of the same size). Here queries go in
-// blocks of kQueryBlock rows, each against the keys up to its last row only:
-// about half the work at T = 256 (10/16 of the products), approaching half as T
-// grows. The GEMMs are moefit's own (experts/kernels/gemm.h, strided operands:
+// Why not SDPA's CPU flash kernel: its key blocks are 512 wide, so for causal
+// sequences of up to 512 tokens it computes every score and masks half of
+// them away (beyond, the part of each block above the diagonal), forward and
+// backward (the backward recomputes the scores and three more products of the
+// same size). Here queries go in blocks of kQueryBlock rows, each against the
+// keys up to its last row only: 9/16 of the products at T = 256, approaching
+// half as T grows. The GEMMs are moefit's own (experts/kernels/gemm.h, strided operands:
 // q, k, v are read where they lie, transposed or not), the exponentials the
 // same kernels' vector exp.
 //

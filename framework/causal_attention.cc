@@ -64,6 +64,16 @@ Visible VisibleKeys(int64_t t, int64_t first, int64_t n0, int64_t nk) {
 
 int64_t NumBlocks(int64_t n, int64_t block) { return (n + block - 1) / block; }
 
+// Query block qb's rows [m0, m0 + mq) and the keys [kv_begin, kv_end) any of
+// them sees (first[t]: token t's first visible key).
+struct QueryBlock {
+  int64_t m0, mq, kv_begin, kv_end;
+};
+QueryBlock QueryBlockOf(int64_t qb, int64_t t_size, const int64_t* first) {
+  const int64_t m0 = qb * kQueryBlock, mq = std::min(kQueryBlock, t_size - m0);
+  return {m0, mq, *std::min_element(first + m0, first + m0 + mq), m0 + mq};
+}
+
 // A [B, heads, T, d] view of fresh [B, T, heads, d] storage.
 at::Tensor TokenMajor(int64_t b, int64_t heads, int64_t t, int64_t d) {
   return at::empty({b, t, heads, d}, at::kFloat).transpose(1, 2);
@@ -80,8 +90,7 @@ struct Scratch {
 void ForwardBlock(kern::Isa isa, const Heads& q, const Heads& k, const Heads& v, const Heads& out,
                   float* lse, const int64_t* first, int64_t b, int64_t h, int64_t kvh, int64_t qb,
                   int64_t t_size, int64_t dk, int64_t dv, float scale, Scratch& s) {
-  const int64_t m0 = qb * kQueryBlock, mq = std::min(kQueryBlock, t_size - m0);
-  const int64_t kv_begin = *std::min_element(first + m0, first + m0 + mq), kv_end = m0 + mq;
+  const auto [m0, mq, kv_begin, kv_end] = QueryBlockOf(qb, t_size, first);
   s.scores.resize(kQueryBlock * kKeyBlock);
   s.acc.resize(kQueryBlock * dv);
   s.max.assign(mq, -std::numeric_limits<float>::infinity());
@@ -139,8 +148,7 @@ void BackwardHead(kern::Isa isa, const Heads& q, const Heads& k, const Heads& v,
   float* p = s.scores.data();
   float* ds = s.dscores.data();
   for (int64_t qb = 0; qb < NumBlocks(t_size, kQueryBlock); ++qb) {
-    const int64_t m0 = qb * kQueryBlock, mq = std::min(kQueryBlock, t_size - m0);
-    const int64_t kv_begin = *std::min_element(first + m0, first + m0 + mq), kv_end = m0 + mq;
+    const auto [m0, mq, kv_begin, kv_end] = QueryBlockOf(qb, t_size, first);
     // delta_r = sum_j dout_rj out_rj: the softmax backward's row term.
     for (int64_t r = 0; r < mq; ++r) {
       const float* o = out.Row(b, h, m0 + r);
@@ -198,8 +206,8 @@ at::Tensor SumGroups(const at::Tensor& per_head, int64_t kv_heads) {
       const int64_t b = bt / t_size, t = bt % t_size;
       for (int64_t kvh = 0; kvh < kv_heads; ++kvh) {
         float* dst = o.Row(b, kvh, t);
-        const float* first = in.Row(b, kvh * groups, t);
-        std::copy(first, first + d, dst);
+        const float* head0 = in.Row(b, kvh * groups, t);
+        std::copy(head0, head0 + d, dst);
         for (int64_t g = 1; g < groups; ++g) {
           const float* src = in.Row(b, kvh * groups + g, t);
           for (int64_t j = 0; j < d; ++j) dst[j] += src[j];

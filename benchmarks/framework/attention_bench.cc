@@ -1,7 +1,8 @@
 // Causal self-attention forward and backward on the CPU: moefit's kernel
 // (framework/causal_attention.h) against LibTorch's SDPA (its CPU flash
-// kernel, is_causal) on the same float32 tensors in the same run, GQA heads
-// repeated for SDPA as the model did before. Interleaved rounds; reports the
+// kernel, is_causal) on the same float32 tensors in the same run, the GQA
+// key-value heads repeated for SDPA as the model repeats them where it calls
+// SDPA. Interleaved rounds; reports the
 // median milliseconds of each and the ratio SDPA / moefit (> 1: moefit
 // faster), with the CPU flags and the thread count.
 //

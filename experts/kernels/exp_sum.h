@@ -1,6 +1,6 @@
 // The softmax's exponentials over a float32 row with each instruction set's
-// vector exp (the one SwiGLU's activation uses, swiglu.h): what attention's
-// softmax spends most of its time outside its GEMMs on.
+// vector exp (the one SwiGLU's activation uses, swiglu.h), for attention's
+// softmax (framework/causal_attention.h).
 //
 // Numerics: the vector kernels' exp is a few float32 units in the last place
 // off std::exp (the portable kernels'), and clamped below at about -87.3, so

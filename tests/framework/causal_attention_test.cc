@@ -17,7 +17,7 @@
 #include <vector>
 
 #include "experts/kernels/isa.h"
-#include "tests/framework/at_threads.h"
+#include "tests/framework/kernel_checks.h"
 
 namespace moefit::framework {
 namespace {
@@ -93,15 +93,9 @@ at::Tensor Sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, d
   return at::scaled_dot_product_attention(q, kr, vr, {}, 0.0, /*is_causal=*/true, scale);
 }
 
-// max |a - b| / max(max |b|, 1): relative to the values' size, absolute
-// where they are all small (with one token every gradient but dv is 0, up to
-// rounding: softmax over one key does not depend on its score).
-double RelativeError(const at::Tensor& a, const at::Tensor& b) {
-  const at::Tensor bd = b.to(at::kDouble);
-  const double scale = std::max(bd.abs().max().item<double>(), 1.0);
-  return (a.to(at::kDouble) - bd).abs().max().item<double>() / scale;
-}
-
+// RelativeError is absolute for small values: with one token every gradient
+// but dv is 0, up to rounding (softmax over one key does not depend on its
+// score).
 void ExpectClose(const Result& got, const Result& want, double tol, const std::string& what) {
   EXPECT_LT(RelativeError(got.out, want.out), tol) << what << ": output";
   EXPECT_LT(RelativeError(got.dq, want.dq), tol) << what << ": dq";
@@ -113,9 +107,7 @@ void ExpectClose(const Result& got, const Result& want, double tol, const std::s
 // down with LimitIsa) within 2e-5 of the float64 reference and of SDPA.
 void ExpectEveryIsaClose(const Inputs& in, double scale, const at::Tensor& segment_starts,
                          const Result& want, const Result& sdpa) {
-  struct FullIsaAfter {
-    ~FullIsaAfter() { kern::LimitIsa(kern::DetectIsa()); }
-  } restore;
+  const FullIsaAfter restore;
   for (int i = static_cast<int>(kern::DetectIsa()); i >= 0; --i) {
     const kern::Isa isa = static_cast<kern::Isa>(i);
     kern::LimitIsa(isa);

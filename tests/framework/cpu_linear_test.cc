@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "experts/kernels/isa.h"
-#include "tests/framework/at_threads.h"
+#include "tests/framework/kernel_checks.h"
 
 namespace moefit::framework {
 namespace {
@@ -59,13 +59,6 @@ Result RunLinear(const Inputs& in, at::ScalarType dtype, bool train_weight, F li
   return {y.detach(), x.grad(), w.grad(), b.defined() ? b.grad() : at::Tensor()};
 }
 
-double RelativeError(const at::Tensor& a, const at::Tensor& b) {
-  if (b.numel() == 0) return a.numel() == 0 ? 0.0 : 1.0;
-  const at::Tensor bd = b.to(at::kDouble);
-  return (a.to(at::kDouble) - bd).abs().max().item<double>() /
-         std::max(bd.abs().max().item<double>(), 1.0);
-}
-
 void ExpectClose(const Result& got, const Result& want, double tol, const std::string& what) {
   EXPECT_LT(RelativeError(got.y, want.y), tol) << what << ": y";
   EXPECT_LT(RelativeError(got.dx, want.dx), tol) << what << ": dx";
@@ -92,9 +85,7 @@ TEST_P(CpuLinearShapes, MatchesAtLinearOnEveryInstructionSet) {
   const Shape s = GetParam();
   const Inputs in = MakeInputs(s, 21);
   ASSERT_TRUE(CpuLinearApplies(in.x, in.weight, in.bias));
-  struct FullIsaAfter {
-    ~FullIsaAfter() { kern::LimitIsa(kern::DetectIsa()); }
-  } restore;
+  const FullIsaAfter restore;
   for (bool train_weight : {true, false}) {
     const Result want = RunLinear(in, at::kDouble, train_weight, Theirs);
     const Result libtorch = RunLinear(in, at::kFloat, train_weight, Theirs);

@@ -24,6 +24,7 @@
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "tests/framework/kernel_checks.h"
 #include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
@@ -266,9 +267,7 @@ TEST(Lora, Fp8ExpertsTrainAsTheirBfloat16Dequantization) {
   bf16_run.runtime.expert_dtype = at::kBFloat16;
   // eager once; grouped on every instruction set this CPU has (the full set
   // again after the test, however it ends).
-  struct FullIsaAfter {
-    ~FullIsaAfter() { experts::kernels::LimitIsa(experts::kernels::DetectIsa()); }
-  } full_isa_after;
+  const FullIsaAfter full_isa_after;
   std::vector<std::pair<std::string, experts::kernels::Isa>> cases = {
       {"eager", experts::kernels::DetectIsa()}};
   for (const experts::kernels::Isa isa : experts::kernels::kAllIsas) {

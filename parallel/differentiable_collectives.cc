@@ -71,6 +71,10 @@ struct RowMove final : torch::CustomClassHolder {
   at::ScalarType dtype = at::kFloat;  // the moved tensor's
   std::shared_ptr<Work> work;
   at::Tensor received;
+  // Rows returned: this rank's own rows, which stay where they are, and
+  // where they belong among the received rows (which leave a gap for them).
+  at::Tensor own;
+  int64_t own_at = 0;
 };
 
 c10::intrusive_ptr<RowMove> SavedMove(AutogradContext* ctx) {
@@ -79,23 +83,41 @@ c10::intrusive_ptr<RowMove> SavedMove(AutogradContext* ctx) {
 
 // Posts x's rows along the relation: as SendRows (each member's group row
 // to its rank, read where it lies) or as the first half of ReturnRows (the
-// rows to the ranks, in order, to be summed into groups when received).
+// rows to the ranks, in order, to be summed into groups when received). A
+// ReturnRows move sends only the other ranks' blocks, each where it lies
+// (an ascending run of x's rows: AllToAllVGather sends it without a
+// gather), and keeps this rank's own block for Finish to read where it
+// lies: it is not copied into the received rows first.
 void Post(RowMove& move, bool send_rows, const at::Tensor& x, const std::vector<int64_t>& send,
           const std::vector<int64_t>& recv) {
   const at::Tensor in = x.contiguous();
-  move.received = at::empty(Shape(in, Sum(recv)), in.options());
-  move.work = send_rows ? move.comm->AllToAllVGather(in, internal::GroupOf(move.rel), send,
-                                                     move.received, recv)
-                        : move.comm->AllToAllV(in, send, move.received, recv);
+  if (send_rows) {
+    move.received = at::empty(Shape(in, Sum(recv)), in.options());
+    move.work =
+        move.comm->AllToAllVGather(in, internal::GroupOf(move.rel), send, move.received, recv);
+    return;
+  }
+  const int me = move.comm->rank();
+  const int64_t own_begin = std::accumulate(send.begin(), send.begin() + me, int64_t{0});
+  move.own_at = std::accumulate(recv.begin(), recv.begin() + me, int64_t{0});
+  move.own = in.narrow(0, own_begin, send[me]);
+  std::vector<int64_t> send_others = send, recv_others = recv;
+  send_others[me] = recv_others[me] = 0;
+  const at::Tensor rows = at::cat(
+      {at::arange(own_begin, at::kLong), at::arange(own_begin + send[me], in.size(0), at::kLong)});
+  move.received = at::empty(Shape(in, Sum(recv_others)), in.options());
+  move.work = move.comm->AllToAllVGather(in, rows, send_others, move.received, recv_others);
 }
 
 // Waits for what Post(send_rows) posted: the received rows, or their sums
-// into the relation's groups.
+// (with this rank's own rows) into the relation's groups.
 at::Tensor Finish(RowMove& move, bool send_rows) {
   move.work->WaitOrThrow();
   move.work.reset();
   at::Tensor out = std::move(move.received);
-  return send_rows ? out : internal::Collect(out, move.rel);
+  if (send_rows) return out;
+  at::Tensor own = std::move(move.own);
+  return internal::SumAroundBlock(out, move.own_at, own, move.rel);
 }
 
 // The first half: posts the move; its output is only the link to the second

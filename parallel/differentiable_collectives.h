@@ -47,7 +47,8 @@ at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::Row
 // x: [sum(send_counts), ...] -> [groups, ...]: the rows come back as the
 // relation's members (recv_counts[p] from rank p) and each group gets the sum
 // of its members (internal::Collect, in x's dtype promoted to at least
-// float32).
+// float32). The rows this rank sends itself are not moved: the sums read
+// them in x (internal::SumAroundBlock).
 at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
                       const internal::RowRelation& relation,
                       const std::vector<int64_t>& send_counts,

@@ -302,13 +302,24 @@ std::shared_ptr<Work> Post(std::string what, const std::function<absl::Status(Pe
 // `send` and `recv` laid out by the counts' displacements, whose entries for
 // rank `me` are left out (its own rows are the caller's to copy). `what`
 // names the call in count errors.
+// `send_starts`, where given, is the row of `send` each peer's block starts
+// at (the blocks then need not follow each other); by default they do.
 absl::Status PostOthersRows(PendingMpi& pending, const at::Tensor& send,
                             absl::Span<const int64_t> send_row_counts, const at::Tensor& recv,
                             absl::Span<const int64_t> recv_row_counts, int me,
-                            MPI_Datatype row_type, MPI_Comm comm, absl::string_view what) {
+                            MPI_Datatype row_type, MPI_Comm comm, absl::string_view what,
+                            absl::Span<const int64_t> send_starts = {}) {
   absl::StatusOr<internal::MpiCounts> send_counts =
       internal::ToMpiCounts(send_row_counts, absl::StrCat(what, " send rows"));
   if (!send_counts.ok()) return send_counts.status();
+  for (size_t q = 0; q < send_starts.size(); ++q) {
+    if (send_starts[q] > INT_MAX) {
+      return absl::OutOfRangeError(absl::StrCat(what, ": rank ", q, "'s rows start at row ",
+                                                send_starts[q], ", above INT_MAX (", INT_MAX,
+                                                "), which MPI displacements cannot express"));
+    }
+    send_counts->displacements[q] = static_cast<int>(send_starts[q]);
+  }
   absl::StatusOr<internal::MpiCounts> recv_counts =
       internal::ToMpiCounts(recv_row_counts, absl::StrCat(what, " recv rows"));
   if (!recv_counts.ok()) return recv_counts.status();
@@ -377,7 +388,9 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
 // shared memory MPI moves a contiguous block in one copy (CMA), where rows
 // read where they lie through a derived datatype were packed into and out of
 // its fragments, two copies on MPI's one thread: dispatch took 2-3x as long
-// that way (dispatch_bench, two processes on one node).
+// that way (dispatch_bench, two processes on one node). Where each other
+// rank's rows are already one block of src (ascending consecutive rows),
+// those blocks are sent where they lie, with no gather.
 std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
                                                        const at::Tensor& send_rows,
                                                        absl::Span<const int64_t> send_row_counts,
@@ -396,14 +409,20 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
     const int me = rank();
     const int64_t own_begin = BlockStart(send_row_counts, me), own = send_row_counts[me];
     const int64_t total = send_rows.size(0);
-    const at::Tensor others =
-        at::cat({send_rows.narrow(0, 0, own_begin),
-                 send_rows.narrow(0, own_begin + own, total - own_begin - own)});
     std::vector<int64_t> send_counts(send_row_counts.begin(), send_row_counts.end());
     send_counts[me] = 0;
-    MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src.index_select(0, others), send_counts, recv,
-                                          recv_row_counts, me, row_type.get(), comm_,
-                                          "AllToAllVGather"));
+    const std::vector<int64_t> starts = internal::RowRunStarts(send_rows, send_row_counts, me);
+    if (!starts.empty()) {
+      MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src, send_counts, recv, recv_row_counts, me,
+                                            row_type.get(), comm_, "AllToAllVGather", starts));
+    } else {
+      const at::Tensor others =
+          at::cat({send_rows.narrow(0, 0, own_begin),
+                   send_rows.narrow(0, own_begin + own, total - own_begin - own)});
+      MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src.index_select(0, others), send_counts, recv,
+                                            recv_row_counts, me, row_type.get(), comm_,
+                                            "AllToAllVGather"));
+    }
     if (own > 0) {
       at::Tensor own_rows = recv.narrow(0, BlockStart(recv_row_counts, me), own);
       at::index_select_out(own_rows, src, 0, send_rows.narrow(0, own_begin, own));

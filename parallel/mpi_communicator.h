@@ -16,7 +16,8 @@
 //     OutOfRange instead of wrapping; AllToAllV and AllToAllVGather copy a
 //     rank's rows for itself into place themselves, and AllToAllVGather
 //     gathers the rows for the other ranks into one buffer, so MPI moves
-//     contiguous blocks (one copy over shared memory);
+//     contiguous blocks (one copy over shared memory), unless each other
+//     rank's rows are already one run of the source, sent where they lie;
 //   * AllReduce in the tensor's own MPI type; bf16 and fp16, which MPI has no
 //     type for, are reduced in fp32 staging copies and rounded back once at the
 //     end, which is also more accurate than rounding after every partial sum

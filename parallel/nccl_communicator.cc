@@ -360,6 +360,28 @@ std::shared_ptr<Work> NcclCommunicator::AllToAllV(const at::Tensor& send,
                 });
 }
 
+std::shared_ptr<Work> NcclCommunicator::AllToAllVGather(const at::Tensor& src,
+                                                        const at::Tensor& send_rows,
+                                                        absl::Span<const int64_t> send_row_counts,
+                                                        const at::Tensor& recv,
+                                                        absl::Span<const int64_t> recv_row_counts) {
+  internal::CheckAllToAllVGather(*this, src, send_rows, send_row_counts, recv, recv_row_counts);
+  const std::vector<int64_t> starts = internal::RowRunStarts(send_rows, send_row_counts);
+  if (starts.empty()) {
+    return Communicator::AllToAllVGather(src, send_rows, send_row_counts, recv, recv_row_counts);
+  }
+  const int64_t row_bytes = internal::RowBytes(src);
+  std::vector<Block> send_blocks(send_row_counts.size());
+  for (size_t p = 0; p < send_blocks.size(); ++p) {
+    send_blocks[p] = {starts[p] * row_bytes, send_row_counts[p] * row_bytes};
+  }
+  return Launch(absl::StrCat("AllToAllVGather on ", Describe()), comm_, device_idx_, {src, recv},
+                [&](cudaStream_t stream) {
+                  return ExchangeBlocks(comm_.get(), rank(), src, send_blocks, recv,
+                                        PackedBlocks(recv_row_counts, row_bytes), stream);
+                });
+}
+
 std::shared_ptr<Work> NcclCommunicator::AllReduce(const at::Tensor& tensor, ReduceOp op) {
   internal::CheckAllReduce(*this, tensor);
   const ncclDataType_t type = ToNcclType(tensor.scalar_type());

@@ -66,6 +66,12 @@ class NcclCommunicator final : public Communicator {
   std::shared_ptr<Work> AllToAllV(const at::Tensor& send, absl::Span<const int64_t> send_row_counts,
                                   const at::Tensor& recv,
                                   absl::Span<const int64_t> recv_row_counts) override;
+  // Sends each peer's rows where they lie when they are one block of `src`
+  // (internal::RowRunStarts), else gathers them first.
+  std::shared_ptr<Work> AllToAllVGather(const at::Tensor& src, const at::Tensor& send_rows,
+                                        absl::Span<const int64_t> send_row_counts,
+                                        const at::Tensor& recv,
+                                        absl::Span<const int64_t> recv_row_counts) override;
   std::shared_ptr<Work> AllReduce(const at::Tensor& tensor, ReduceOp op) override;
   std::shared_ptr<Work> AllGather(const at::Tensor& send, const at::Tensor& recv) override;
   std::shared_ptr<Work> AllGatherV(const at::Tensor& send, const at::Tensor& recv,

@@ -65,6 +65,22 @@ int64_t Total(absl::Span<const int64_t> counts) {
   return total;
 }
 
+std::vector<int64_t> RowRunStarts(const at::Tensor& send_rows, absl::Span<const int64_t> counts,
+                                  int skip) {
+  std::vector<int64_t> starts(counts.size(), 0);
+  const at::Tensor rows = send_rows.contiguous();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  int64_t begin = 0;
+  for (size_t p = 0; p < counts.size(); begin += counts[p], ++p) {
+    if (static_cast<int>(p) == skip || counts[p] == 0) continue;
+    starts[p] = r[begin];
+    for (int64_t i = 1; i < counts[p]; ++i) {
+      if (r[begin + i] != r[begin] + i) return {};
+    }
+  }
+  return starts;
+}
+
 void CheckAllToAllCounts(const Communicator& comm, const at::Tensor& send_counts,
                          const at::Tensor& recv_counts) {
   constexpr std::string_view kOp = "AllToAllCounts";

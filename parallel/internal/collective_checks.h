@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <string_view>
+#include <vector>
 
 #include "absl/types/span.h"
 #include "parallel/communicator.h"
@@ -24,6 +25,13 @@ int64_t RowBytes(const at::Tensor& tensor);
 
 // Sum of `counts`.
 int64_t Total(absl::Span<const int64_t> counts);
+
+// For AllToAllVGather's `send_rows` ([sum(counts)] int64 on the host) in
+// blocks of counts[p] per peer p: the row of src each block starts at, when
+// every block (but rank `skip`'s, if any) is one ascending run of
+// consecutive rows, so that it can be sent where it lies; empty otherwise.
+std::vector<int64_t> RowRunStarts(const at::Tensor& send_rows, absl::Span<const int64_t> counts,
+                                  int skip = -1);
 
 void CheckAllToAllCounts(const Communicator& comm, const at::Tensor& send_counts,
                          const at::Tensor& recv_counts);

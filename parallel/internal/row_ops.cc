@@ -100,10 +100,16 @@ void SumRows(A* to, const S* const* from, const A* w, int n, int64_t h) {
   }
 }
 
-// out[p] = sum_j weight[p, j] * src[members[p, j]], in the accumulate type.
+// out[p] = sum_j weight[p, j] * src[members[p, j]], in the accumulate type,
+// where member rows [block_at, block_at + block.size(0)) are read from
+// `block` (undefined: none) and src holds the others, those after the block
+// moved up by its length.
 at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
-                       const at::Tensor& weight_in) {
+                       const at::Tensor& weight_in, int64_t block_at = 0,
+                       const at::Tensor& block_in = {}) {
   const at::Tensor src = src_in.contiguous();
+  const at::Tensor block = block_in.defined() ? block_in.contiguous() : src.narrow(0, 0, 0);
+  const int64_t block_rows = block.size(0);
   const int64_t h = src.size(1), p_rows = rel.members.size(0), f = rel.members.size(1);
   const at::ScalarType acc = AccumulateType(src.scalar_type(), at::kFloat);
   at::Tensor out = at::empty({p_rows, h}, src.options().dtype(acc));
@@ -114,6 +120,12 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
       using S = decltype(s);
       using A = decltype(a);
       const S* in = src.data_ptr<S>();
+      const S* in_block = block.data_ptr<S>();
+      auto row = [&](int64_t m) {
+        if (m < block_at) return in + m * h;
+        if (m < block_at + block_rows) return in_block + (m - block_at) * h;
+        return in + (m - block_rows) * h;
+      };
       A* res = out.data_ptr<A>();
       const A* wt = weight.defined() ? weight.data_ptr<A>() : nullptr;
       ForRows(p_rows, h * static_cast<int64_t>(sizeof(A)), [&](int64_t p) {
@@ -122,7 +134,7 @@ at::Tensor CollectRows(const at::Tensor& src_in, const RowRelation& rel,
         for (int64_t j = 0; j < f; ++j) {
           const int64_t m = members[p * f + j];
           if (m < 0) continue;
-          rows.push_back(in + m * h);
+          rows.push_back(row(m));
           w.push_back(wt == nullptr ? A(1) : wt[p * f + j]);
         }
         SumRows(res + p * h, rows.data(), w.data(), static_cast<int>(rows.size()), h);
@@ -330,6 +342,19 @@ RowRelation MakeRowRelation(at::Tensor members, int64_t num_members) {
   TORCH_CHECK(seen == num_members, "row relation: ", num_members - seen, " of ", num_members,
               " members belong to no group");
   return {std::move(members), std::move(slot)};
+}
+
+at::Tensor SumAroundBlock(const at::Tensor& src, int64_t block_at, const at::Tensor& block,
+                          const RowRelation& relation) {
+  TORCH_CHECK(src.dim() == 2 && block.dim() == 2 && src.size(1) == block.size(1) &&
+                  src.scalar_type() == block.scalar_type(),
+              "SumAroundBlock: src and block must be [*, H] of one dtype, not ", src.sizes(), " ",
+              src.scalar_type(), " and ", block.sizes(), " ", block.scalar_type());
+  TORCH_CHECK(src.size(0) + block.size(0) == relation.slot.size(0) && block_at >= 0 &&
+                  block_at <= src.size(0),
+              "SumAroundBlock: ", src.size(0), " + ", block.size(0), " rows with the block at ",
+              block_at, " for ", relation.slot.size(0), " members");
+  return CollectRows(src, relation, at::Tensor(), block_at, block);
 }
 
 int64_t SetStreamAboveBytes(int64_t bytes) { return stream_above_bytes.exchange(bytes); }

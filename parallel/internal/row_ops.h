@@ -38,6 +38,14 @@ at::Tensor GroupOf(const RowRelation& relation);
 at::Tensor Collect(const at::Tensor& src, const RowRelation& relation,
                    const at::Tensor& weight = {});
 
+// Collect without weights and without autograd of the rows of `src` with
+// `block` inserted before src's row `block_at`: member m is block's row
+// m - block_at where it falls in the block, else src's row m (before it) or
+// m - block.size(0) (after it). The same sums in the same order as Collect
+// of the rows put together, without putting them together.
+at::Tensor SumAroundBlock(const at::Tensor& src, int64_t block_at, const at::Tensor& block,
+                          const RowRelation& relation);
+
 // Bytes of the largest cache the first core sees, as the kernel reports it in
 // sysfs, else as the C library's sysconf says (which said 320 MiB on a
 // virtual machine whose L3 is 32 MiB); 32 MiB where neither does.

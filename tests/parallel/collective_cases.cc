@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <numeric>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -177,6 +178,32 @@ void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
   ExpectOk(comm.AllToAllVGather(src, send_rows, plan.send_row_counts, recv, plan.recv_row_counts),
            what);
   ExpectSameTensor(recv, expected, what);
+  // Each peer's rows one run of consecutive rows of the source, the runs in
+  // reverse rank order with a row of another value before each: the
+  // backends send such runs where they lie (MPI and NCCL), at their own
+  // offsets; the same rows arrive.
+  {
+    std::vector<at::Tensor> parts;
+    std::vector<at::Tensor> picks(comm.size());
+    std::vector<int64_t> trailing_one = {1};
+    trailing_one.insert(trailing_one.end(), trailing_shape.begin(), trailing_shape.end());
+    int64_t next_row = 0;
+    for (int peer_idx = comm.size() - 1; peer_idx >= 0; --peer_idx) {
+      const int64_t begin = std::accumulate(plan.send_row_counts.begin(),
+                                            plan.send_row_counts.begin() + peer_idx, int64_t{0});
+      const int64_t count = plan.send_row_counts[peer_idx];
+      parts.push_back(at::full(trailing_one, 254, On(comm, dtype)));
+      parts.push_back(send.narrow(0, begin, count));
+      picks[peer_idx] = at::arange(next_row + 1, next_row + 1 + count, at::kLong);
+      next_row += 1 + count;
+    }
+    const at::Tensor runs = at::cat(parts);
+    const at::Tensor in_runs = at::full(expected.sizes(), 255, On(comm, dtype));
+    ExpectOk(comm.AllToAllVGather(runs, at::cat(picks), plan.send_row_counts, in_runs,
+                                  plan.recv_row_counts),
+             what + " (each peer's rows one run)");
+    ExpectSameTensor(in_runs, expected, what + " (each peer's rows one run)");
+  }
   // A pick outside the source fails on this rank before anything is posted.
   if (n > 0) {
     at::Tensor outside = send_rows.clone();

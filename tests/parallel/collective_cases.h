@@ -33,7 +33,9 @@ void CheckAllToAllCounts(Communicator& comm, int64_t counts_per_peer);
 void CheckAllToAllV(Communicator& comm, at::ScalarType dtype,
                     const std::vector<int64_t>& trailing_shape);
 // The same rows picked from a source that holds each of them twice, out of
-// order (AllToAllVGather); and a pick outside the source is refused.
+// order (AllToAllVGather), and from one where each peer's rows are one run
+// of consecutive rows at an offset of its own; and a pick outside the
+// source is refused.
 void CheckAllToAllVGather(Communicator& comm, at::ScalarType dtype,
                           const std::vector<int64_t>& trailing_shape);
 void CheckAllReduce(Communicator& comm, at::ScalarType dtype, ReduceOp op);

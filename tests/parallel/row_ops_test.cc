@@ -1,7 +1,8 @@
 // The dispatchers' row moves (GroupOf, Collect) against the same moves written
 // with LibTorch's index_select and index_add, forward and backward, in
 // float64, float32 and bfloat16, with groups of every size up to f (none
-// included) and more rows than one parallel block.
+// included) and more rows than one parallel block; SumAroundBlock against
+// Collect.
 #include "parallel/internal/row_ops.h"
 
 #include <ATen/ATen.h>
@@ -10,6 +11,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace moefit::parallel::internal {
 namespace {
@@ -120,6 +123,34 @@ TEST_P(RowOpsTest, GroupOfAndCollectMatchIndexSelectAndIndexAdd) {
   at::Tensor empty = c.rel.members.ge(0).sum(1).eq(0);
   ASSERT_GT(empty.sum().item<int64_t>(), 0);
   EXPECT_EQ(got.index({empty}).abs().sum().item<double>(), 0.0);
+}
+
+// The rows with a block inserted, at the start, in the middle and at the
+// end, and an empty block: the same sums, bit for bit, as Collect of the
+// rows put together.
+TEST_P(RowOpsTest, SumAroundBlockEqualsCollectOfTheRowsTogether) {
+  const at::ScalarType dtype = GetParam();
+  const int64_t groups = 300, f = 4, members = 700, h = 45;
+  Case c = RandomRelation(groups, f, members, 3);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(4);
+  const at::Tensor rows = at::randn({members, h}, gen, at::kDouble).to(dtype);
+  const at::Tensor want = Collect(rows, c.rel);
+  for (const auto& [block_at, block_rows] :
+       std::vector<std::pair<int64_t, int64_t>>{{0, 120}, {250, 333}, {580, 120}, {400, 0}}) {
+    SCOPED_TRACE("block of " + std::to_string(block_rows) + " at " + std::to_string(block_at));
+    const at::Tensor block = rows.narrow(0, block_at, block_rows).clone();
+    const at::Tensor around =
+        at::cat({rows.narrow(0, 0, block_at),
+                 rows.narrow(0, block_at + block_rows, members - block_at - block_rows)});
+    const at::Tensor got = SumAroundBlock(around, block_at, block, c.rel);
+    EXPECT_EQ(got.scalar_type(), want.scalar_type());
+    EXPECT_TRUE(at::equal(got, want));
+  }
+  // Rows that do not add up to the members, or a block of another width.
+  EXPECT_THROW(SumAroundBlock(rows.narrow(0, 0, 600), 0, rows.narrow(0, 0, 99), c.rel), c10::Error);
+  EXPECT_THROW(
+      SumAroundBlock(rows.narrow(0, 0, 600), 0, at::zeros({100, h + 1}, rows.options()), c.rel),
+      c10::Error);
 }
 
 // Widths below one block of the backward (64 values), and above it with a

@@ -4,8 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include <numeric>
-
+#include "parallel/internal/collective_checks.h"
 #include "parallel/progress.h"
 
 namespace moefit::parallel {
@@ -13,8 +12,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-int64_t Sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
 
 std::vector<int64_t> Shape(const at::Tensor& x, int64_t rows) {
   std::vector<int64_t> s = x.sizes().vec();
@@ -24,7 +21,7 @@ std::vector<int64_t> Shape(const at::Tensor& x, int64_t rows) {
 
 at::Tensor RunAllGather(Communicator& comm, const at::Tensor& x, const std::vector<int64_t>& rows) {
   at::Tensor in = x.contiguous();
-  at::Tensor out = at::empty(Shape(in, Sum(rows)), in.options());
+  at::Tensor out = at::empty(Shape(in, internal::Total(rows)), in.options());
   comm.AllGatherV(in, out, rows)->WaitOrThrow();
   return out;
 }
@@ -32,7 +29,7 @@ at::Tensor RunAllGather(Communicator& comm, const at::Tensor& x, const std::vect
 at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vector<int64_t>& rows) {
   at::Tensor sum = x.contiguous().clone();
   comm.AllReduce(sum, ReduceOp::kSum)->WaitOrThrow();
-  const int64_t begin = std::accumulate(rows.begin(), rows.begin() + comm.rank(), int64_t{0});
+  const int64_t begin = internal::BlockStart(rows, comm.rank());
   return sum.narrow(0, begin, rows[comm.rank()]).clone();
 }
 
@@ -92,20 +89,20 @@ void Post(RowMove& move, bool send_rows, const at::Tensor& x, const std::vector<
           const std::vector<int64_t>& recv) {
   const at::Tensor in = x.contiguous();
   if (send_rows) {
-    move.received = at::empty(Shape(in, Sum(recv)), in.options());
+    move.received = at::empty(Shape(in, internal::Total(recv)), in.options());
     move.work =
         move.comm->AllToAllVGather(in, internal::GroupOf(move.rel), send, move.received, recv);
     return;
   }
   const int me = move.comm->rank();
-  const int64_t own_begin = std::accumulate(send.begin(), send.begin() + me, int64_t{0});
-  move.own_at = std::accumulate(recv.begin(), recv.begin() + me, int64_t{0});
+  const int64_t own_begin = internal::BlockStart(send, me);
+  move.own_at = internal::BlockStart(recv, me);
   move.own = in.narrow(0, own_begin, send[me]);
   std::vector<int64_t> send_others = send, recv_others = recv;
   send_others[me] = recv_others[me] = 0;
   const at::Tensor rows = at::cat(
       {at::arange(own_begin, at::kLong), at::arange(own_begin + send[me], in.size(0), at::kLong)});
-  move.received = at::empty(Shape(in, Sum(recv_others)), in.options());
+  move.received = at::empty(Shape(in, internal::Total(recv_others)), in.options());
   move.work = move.comm->AllToAllVGather(in, rows, send_others, move.received, recv_others);
 }
 

@@ -14,7 +14,6 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
-#include <numeric>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -334,11 +333,6 @@ absl::Status PostOthersRows(PendingMpi& pending, const at::Tensor& send,
   return absl::OkStatus();
 }
 
-// Where rank `me`'s block starts among rows laid out by `counts`.
-int64_t BlockStart(absl::Span<const int64_t> counts, int me) {
-  return std::accumulate(counts.begin(), counts.begin() + me, int64_t{0});
-}
-
 }  // namespace
 
 std::shared_ptr<Work> MpiCommunicator::AllToAllCounts(const at::Tensor& send_counts,
@@ -375,8 +369,8 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
                                           row_type.get(), comm_, "AllToAllV"));
     // This rank's own rows copied here (on LibTorch's threads), not by MPI.
     if (send_row_counts[me] > 0) {
-      recv.narrow(0, BlockStart(recv_row_counts, me), recv_row_counts[me])
-          .copy_(send.narrow(0, BlockStart(send_row_counts, me), send_row_counts[me]));
+      recv.narrow(0, internal::BlockStart(recv_row_counts, me), recv_row_counts[me])
+          .copy_(send.narrow(0, internal::BlockStart(send_row_counts, me), send_row_counts[me]));
     }
     return absl::OkStatus();
   });
@@ -407,8 +401,7 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
       return status;
     // The other ranks' rows packed together, this rank's own in place.
     const int me = rank();
-    const int64_t own_begin = BlockStart(send_row_counts, me), own = send_row_counts[me];
-    const int64_t total = send_rows.size(0);
+    const int64_t own_begin = internal::BlockStart(send_row_counts, me), own = send_row_counts[me];
     std::vector<int64_t> send_counts(send_row_counts.begin(), send_row_counts.end());
     send_counts[me] = 0;
     const std::vector<int64_t> starts = internal::RowRunStarts(send_rows, send_row_counts, me);
@@ -416,15 +409,15 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
       MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src, send_counts, recv, recv_row_counts, me,
                                             row_type.get(), comm_, "AllToAllVGather", starts));
     } else {
+      const int64_t after = send_rows.size(0) - own_begin - own;
       const at::Tensor others =
-          at::cat({send_rows.narrow(0, 0, own_begin),
-                   send_rows.narrow(0, own_begin + own, total - own_begin - own)});
+          at::cat({send_rows.narrow(0, 0, own_begin), send_rows.narrow(0, own_begin + own, after)});
       MOEFIT_RETURN_IF_ERROR(PostOthersRows(pending, src.index_select(0, others), send_counts, recv,
                                             recv_row_counts, me, row_type.get(), comm_,
                                             "AllToAllVGather"));
     }
     if (own > 0) {
-      at::Tensor own_rows = recv.narrow(0, BlockStart(recv_row_counts, me), own);
+      at::Tensor own_rows = recv.narrow(0, internal::BlockStart(recv_row_counts, me), own);
       at::index_select_out(own_rows, src, 0, send_rows.narrow(0, own_begin, own));
     }
     return absl::OkStatus();

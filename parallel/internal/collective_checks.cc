@@ -65,6 +65,10 @@ int64_t Total(absl::Span<const int64_t> counts) {
   return total;
 }
 
+int64_t BlockStart(absl::Span<const int64_t> counts, int rank) {
+  return Total(counts.first(static_cast<size_t>(rank)));
+}
+
 std::vector<int64_t> RowRunStarts(const at::Tensor& send_rows, absl::Span<const int64_t> counts,
                                   int skip) {
   std::vector<int64_t> starts(counts.size(), 0);

@@ -26,6 +26,10 @@ int64_t RowBytes(const at::Tensor& tensor);
 // Sum of `counts`.
 int64_t Total(absl::Span<const int64_t> counts);
 
+// Where rank `rank`'s block starts among rows laid out by `counts` (the sum
+// of the counts before it).
+int64_t BlockStart(absl::Span<const int64_t> counts, int rank);
+
 // For AllToAllVGather's `send_rows` ([sum(counts)] int64 on the host) in
 // blocks of counts[p] per peer p: the row of src each block starts at, when
 // every block (but rank `skip`'s, if any) is one ascending run of

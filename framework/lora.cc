@@ -2,6 +2,7 @@
 #include "framework/lora.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -49,7 +50,12 @@ double LoraOptions::scaling() const {
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                   const LoraAdapter& adapter) {
   at::Tensor y;
-  if (weight.scalar_type() == x.scalar_type()) {
+  if (at::autocast::is_autocast_enabled(x.device().type())) {
+    // Mixed precision (train.dense_dtype): LibTorch casts x and the float32
+    // weight to the autocast dtype (the weight once per forward, from its cast
+    // cache), and the weight's gradient comes back in float32.
+    y = at::linear(x, weight, bias);
+  } else if (weight.scalar_type() == x.scalar_type()) {
     y = CpuLinearApplies(x, weight, bias) ? CpuLinear(x, weight, bias)
                                           : at::linear(x, weight, bias);
   } else {

@@ -53,7 +53,10 @@ struct LoraAdapter {
 // x·weightᵀ + bias, plus the adapter when it is defined. A weight whose dtype
 // differs from x's (a frozen bfloat16 base under float32 activations) is
 // upcast for this one product, in the forward and again in the backward, so it
-// is never held upcast; such a weight must not require grad.
+// is never held upcast; such a weight must not require grad. Under autocast of
+// x's device (train.dense_dtype = bfloat16) LibTorch casts x and the weights
+// instead: a trained float32 weight takes bfloat16 activations, and its
+// gradient is float32.
 at::Tensor Linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias = {},
                   const LoraAdapter& adapter = {});
 

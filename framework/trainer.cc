@@ -126,8 +126,7 @@ struct Trainer::Impl {
     at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
     const c10::Device dense_device = model.runtime().dense_device;
-    TORCH_CHECK(dense_device.is_cuda() || (o.dense_autocast == at::kFloat && !o.allow_tf32),
-                "a bfloat16 dense dtype and TF32 need the dense layers on a GPU");
+    TORCH_CHECK(dense_device.is_cuda() || !o.allow_tf32, "TF32 needs the dense layers on a GPU");
     if (o.allow_tf32) at::globalContext().setAllowTF32CuBLAS(true);
     for (const Parameter& p : model.trainable_parameters()) {
       (p.expert ? expert_params : dense_params).push_back(p.tensor);

@@ -66,9 +66,11 @@ struct TrainOptions {
   // Aux-loss-free balancing: per-step move of each correction bias (routers
   // with e_score_correction_bias only); 0 = frozen.
   double bias_update_rate = 0.001;
-  // Compute dtype of the dense layers (CUDA autocast when bfloat16; the
-  // parameters stay float32) and whether float32 GPU matrix products may use
-  // TF32. Both need the dense layers on a GPU.
+  // Compute dtype of the dense layers (autocast of the dense device when
+  // bfloat16; the parameters and their gradients stay float32) and whether
+  // float32 GPU matrix products may use TF32 (a GPU only). The command line
+  // takes bfloat16 only with the dense layers on a GPU; on the CPU it is here
+  // for tests of the mixed-precision path.
   at::ScalarType dense_autocast = at::kFloat;
   bool allow_tf32 = false;
   // Dense gradients summed bucket by bucket during the last micro-batch's

@@ -10,6 +10,7 @@
 #include "framework/lora.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -421,6 +422,66 @@ TEST(Lora, LinearGradientsMatchCentralDifferences) {
     loss().backward();
     for (const at::Tensor& t : {x, adapter.a, adapter.b}) {
       EXPECT_LT(WorstCentralDifference(t, loss), 1e-7) << weight_dtype;
+    }
+  }
+}
+
+// Mixed precision as the trainer runs it (train.dense_dtype = bfloat16): under
+// autocast, bfloat16 activations meet trained float32 weights (an attention
+// output entering o_proj). Linear gives what LibTorch's autocast linear gives,
+// with and without an adapter, and every gradient in its parameter's dtype.
+TEST(Lora, LinearUnderAutocastTakesBfloat16ActivationsAndFloat32Weights) {
+  struct Autocast {
+    Autocast() {
+      at::autocast::set_autocast_enabled(at::kCPU, true);
+      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+      at::autocast::increment_nesting();
+    }
+    ~Autocast() {
+      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+      at::autocast::set_autocast_enabled(at::kCPU, false);
+    }
+  };
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(9);
+  const at::Tensor x0 = at::randn({6, 8}, gen).to(at::kBFloat16);
+  const at::Tensor w0 = at::randn({5, 8}, gen), bias0 = at::randn({5}, gen);
+  const at::Tensor a0 = at::randn({2, 8}, gen), b0 = at::randn({5, 2}, gen);
+  const at::Tensor probe = at::randn({6, 5}, gen);
+  for (const bool with_adapter : {false, true}) {
+    std::vector<at::Tensor> grads[2];
+    at::Tensor outs[2];
+    for (int reference = 0; reference < 2; ++reference) {
+      at::Tensor x = x0.clone().requires_grad_(), w = w0.clone().requires_grad_();
+      at::Tensor bias = bias0.clone().requires_grad_();
+      LoraAdapter adapter;
+      if (with_adapter) {
+        adapter.a = a0.clone().requires_grad_();
+        adapter.b = b0.clone().requires_grad_();
+        adapter.scaling = 0.5;
+      }
+      {
+        Autocast autocast;
+        outs[reference] = reference == 0 ? Linear(x, w, bias, adapter) : at::linear(x, w, bias);
+        if (reference == 1 && with_adapter) {
+          outs[reference] =
+              outs[reference] + at::linear(at::linear(x, adapter.a) * adapter.scaling, adapter.b);
+        }
+      }
+      (outs[reference].to(at::kFloat) * probe).sum().backward();
+      grads[reference] = {x.grad(), w.grad(), bias.grad()};
+      if (with_adapter) {
+        grads[reference].push_back(adapter.a.grad());
+        grads[reference].push_back(adapter.b.grad());
+      }
+    }
+    EXPECT_EQ(outs[0].scalar_type(), at::kBFloat16);
+    EXPECT_LT(RelativeError(outs[0].to(at::kFloat), outs[1].to(at::kFloat)), 1e-2) << with_adapter;
+    const at::ScalarType dtypes[] = {at::kBFloat16, at::kFloat, at::kFloat, at::kFloat, at::kFloat};
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      ASSERT_TRUE(grads[0][i].defined()) << i;
+      EXPECT_EQ(grads[0][i].scalar_type(), dtypes[i]) << i;
+      EXPECT_LT(RelativeError(grads[0][i].to(at::kFloat), grads[1][i].to(at::kFloat)), 1e-2)
+          << "gradient " << i << (with_adapter ? " with" : " without") << " the adapter";
     }
   }
 }

@@ -21,7 +21,10 @@ are left out).
 --mode lora trains rank-16 LoRA adapters on the attention projections and on
 the fused experts (PEFT's target_parameters for transformers + PEFT; moefit's
 lora.target_modules with `experts`), the base frozen. --experts-dtype sets
-moefit's experts.dtype (transformers stays float32).
+moefit's experts.dtype. transformers trains in float32; in --mode lora with
+bfloat16 experts it is also timed with its whole frozen base in bfloat16 (the
+like-for-like run, as a bfloat16 checkpoint loads), and the summary gives the
+ratio against each and against the faster of the two.
 
     ~/.cache/moefit/venv/bin/python benchmarks/e2e/train_vs_transformers.py \\
         --family qwen3_moe [--mode full|lora --hidden 512 --experts 32 --layers 4 --steps 8 --threads 2 \\
@@ -165,25 +168,36 @@ def main():
           f"{args.hidden}, {args.experts} experts of {args.inter} top-{args.top_k}, {args.batch} x "
           f"{args.seq_len} tokens per step, {args.threads} threads; moefit experts in "
           f"{args.experts_dtype}; model FLOPs per token {fpt / 1e6:.1f} M", flush=True)
-    ceilings, mfs, hfs = [], [], []
+    # transformers' runs: float32, and in LoRA with bfloat16 experts a bfloat16 base too
+    hf_dtypes = [torch.float32]
+    if args.mode == "lora" and args.experts_dtype == "bfloat16":
+        hf_dtypes.append(torch.bfloat16)
+    ceilings, mfs, hfs = [], [], {d: [] for d in hf_dtypes}
+    label = {torch.float32: hf_name, torch.bfloat16: hf_name + " (bfloat16 base)"}
     with tempfile.TemporaryDirectory() as tmp:
         model.save_pretrained(tmp)
         for r in range(args.rounds):
             ceilings.append(gemm_gflops(args.threads))
             # transformers trains a copy, so that every round starts from the same weights
-            runs = [lambda: mfs.append(moefit_tok_s(pathlib.Path(args.build_dir), tmp, args)),
-                    lambda: hfs.append(transformers_tok_s(copy.deepcopy(model), args))]
+            runs = [lambda: mfs.append(moefit_tok_s(pathlib.Path(args.build_dir), tmp, args))]
+            runs += [lambda d=d: hfs[d].append(transformers_tok_s(copy.deepcopy(model).to(d), args))
+                     for d in hf_dtypes]
             for run in runs if r % 2 == 0 else reversed(runs):
                 run()
-            print(f"  round {r + 1}: ceiling {ceilings[-1]:6.1f} GFLOP/s, {hf_name} "
-                  f"{hfs[-1]:6.0f} tokens/s, moefit {mfs[-1]:6.0f} tokens/s, ratio "
-                  f"{mfs[-1] / hfs[-1]:.2f}", flush=True)
-    ceiling, hf, mf = max(ceilings), max(hfs), max(mfs)
+            print(f"  round {r + 1}: ceiling {ceilings[-1]:6.1f} GFLOP/s, " +
+                  ", ".join(f"{label[d]} {hfs[d][-1]:6.0f} tokens/s" for d in hf_dtypes) +
+                  f", moefit {mfs[-1]:6.0f} tokens/s, ratio " +
+                  " / ".join(f"{mfs[-1] / hfs[d][-1]:.2f}" for d in hf_dtypes), flush=True)
+    ceiling, mf = max(ceilings), max(mfs)
+    best = {d: max(hfs[d]) for d in hf_dtypes}
     print(f"  best of {args.rounds} rounds; float32 GEMM ceiling: {ceiling:8.1f} GFLOP/s")
-    for name, tok in ((hf_name, hf), ("moefit", mf)):
+    for name, tok in [(label[d], best[d]) for d in hf_dtypes] + [("moefit", mf)]:
         gf = tok * fpt / 1e9
-        print(f"  {name:20s} {tok:8.0f} tokens/s  {gf:7.1f} GFLOP/s  {gf / ceiling:5.2f} of the ceiling")
-    print(f"  ratio moefit / transformers = {mf / hf:.2f}")
+        print(f"  {name:36s} {tok:8.0f} tokens/s  {gf:7.1f} GFLOP/s  {gf / ceiling:5.2f} of the ceiling")
+    for d in hf_dtypes:
+        print(f"  ratio moefit / {label[d]} = {mf / best[d]:.2f}")
+    if len(hf_dtypes) > 1:
+        print(f"  ratio moefit / the faster transformers run = {mf / max(best.values()):.2f}")
 
 
 if __name__ == "__main__":

@@ -10,12 +10,16 @@
 # Builds only what the checks need (all cores), runs every test labelled gpu
 # (each skips with a message where no GPU is visible), then, with a GPU, a
 # short training of the demo model: dense layers on the CPU, on the GPU, on
-# the GPU in bfloat16, and 2 processes sharing the GPU, and a larger model with
-# dense on CPU, on GPU and on GPU in bfloat16; and prints a summary:
+# the GPU in bfloat16, and 2 processes sharing the GPU; the same for LoRA; the
+# deepseek_v3 and glm4_moe families on CPU and GPU; a run resumed on the GPU
+# from its checkpoint at step 4; and a larger model with dense on CPU, on GPU
+# and on GPU in bfloat16; and prints a summary:
 #   * dense-on-GPU losses equal dense-on-CPU within 1e-3 relative per step
-#     (float32; the GEMMs sum in another order, which grows over the steps);
-#   * bfloat16 dense compute tracks float32 within 2% per step;
+#     (float32; the GEMMs sum in another order, which grows over the steps),
+#     for the demo, LoRA and both families;
+#   * bfloat16 dense compute tracks float32 within 2% per step (full, LoRA);
 #   * 2 processes sharing the GPU equal 1 process within 1e-3 relative;
+#   * the resumed run equals the uninterrupted one within 1e-5;
 #   * the step split (dense GPU / expert CPU / communication) and the bytes
 #     across PCIe per step, from the metrics files;
 #   * tokens/s of the larger model with dense on GPU against dense on CPU, and
@@ -111,6 +115,31 @@ run cpu 1 8 --set parallel.device=cpu
 run gpu 1 8 --set parallel.device=cuda
 run gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16
 run gpu_shared_np2 2 4 --set parallel.device=cuda --set parallel.ranks_per_gpu=2
+# LoRA (adapters on every dense linear map and the experts), the other two
+# families, and a resume from a checkpoint, each on the GPU against the CPU or
+# the uninterrupted run.
+lora=(--set train.mode=lora --set lora.rank=8 --set lora.alpha=16
+      --set "lora.target_modules=[all-linear,experts]")
+run lora_cpu 1 8 --set parallel.device=cpu "${lora[@]}"
+run lora_gpu 1 8 --set parallel.device=cuda "${lora[@]}"
+run lora_gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16 "${lora[@]}"
+run lora_shared_np2 2 4 --set parallel.device=cuda --set parallel.ranks_per_gpu=2 "${lora[@]}"
+deepseek=(--set model.model_type=deepseek_v3 --set model.router_aux_loss_coef=0 --set model.q_lora_rank=64
+          --set model.kv_lora_rank=32 --set model.qk_nope_head_dim=32 --set model.qk_rope_head_dim=16
+          --set model.v_head_dim=32 --set model.n_group=4 --set model.topk_group=2
+          --set model.first_k_dense_replace=1 --set model.aux_loss_alpha=0.001)
+run deepseek_cpu 1 8 --set parallel.device=cpu "${deepseek[@]}"
+run deepseek_gpu 1 8 --set parallel.device=cuda "${deepseek[@]}"
+glm=(--set model.model_type=glm4_moe --set model.router_aux_loss_coef=0 --set model.attention_bias=true
+     --set model.use_qk_norm=true --set model.n_group=2 --set model.topk_group=1
+     --set model.first_k_dense_replace=1 --set model.aux_loss_alpha=0.001)
+run glm_cpu 1 8 --set parallel.device=cpu "${glm[@]}"
+run glm_gpu 1 8 --set parallel.device=cuda "${glm[@]}"
+rm -rf "$out/ckpt" "$out/ckpt_resumed"
+run saved_gpu 1 8 --set parallel.device=cuda --set checkpoint.save_dir="$out/ckpt" \
+  --set checkpoint.save_every_steps=4
+run resumed_gpu 1 8 --set parallel.device=cuda --set checkpoint.save_dir="$out/ckpt_resumed" \
+  --set checkpoint.resume_from="$out/ckpt/step-00000004"
 # A larger dense part (hidden 1024), for the speed of dense on GPU against CPU.
 big=(--set model.hidden_size=1024 --set model.intermediate_size=2048 --set model.moe_intermediate_size=512
      --set model.num_attention_heads=8 --set model.num_key_value_heads=4 --set model.head_dim=128)
@@ -119,34 +148,41 @@ run big_gpu 1 8 --set parallel.device=cuda "${big[@]}"
 run big_gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16 "${big[@]}"
 
 "$python" - "$out" <<'PY' || status=1
-import json, os, sys
+import glob, json, os, sys
 out = sys.argv[1]
-def load(name):
-    path = f"{out}/{name}.jsonl"
-    return [json.loads(l) for l in open(path)] if os.path.exists(path) else []
-runs = {n: load(n) for n in ("cpu", "gpu", "gpu_bf16", "gpu_shared_np2", "big_cpu", "big_gpu",
-                             "big_gpu_bf16")}
-ok = all(runs.values())
+runs = {os.path.basename(p)[:-len(".jsonl")]: {m["step"]: m for m in map(json.loads, open(p))}
+        for p in glob.glob(f"{out}/*.jsonl")}
+ok = True
 def compare(label, a, b, rel):
+    """Every step a has, against the same step of b (b has at least a's steps)."""
     global ok
-    if not runs[a] or not runs[b]:
+    if not runs.get(a) or not runs.get(b) or not set(runs[a]) <= set(runs[b]):
         print(f"  {label}: not compared (a run failed): FAILED")
+        ok = False
         return
-    worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"]) for x, y in zip(runs[a], runs[b]))
-    good = worst <= rel and len(runs[a]) == len(runs[b])
-    ok &= good
-    print(f"  {label}: largest relative loss difference {worst:.2e} (limit {rel:g}) {'ok' if good else 'FAILED'}")
+    worst = max(abs(m["loss"] - runs[b][s]["loss"]) / abs(runs[b][s]["loss"]) for s, m in runs[a].items())
+    ok &= worst <= rel
+    print(f"  {label}: largest relative loss difference {worst:.2e} (limit {rel:g}) "
+          f"{'ok' if worst <= rel else 'FAILED'}")
+def losses(name):
+    return " ".join(f"{runs[name][s]['loss']:.4f}" for s in sorted(runs.get(name, {})))
 print("summary:")
-print("  losses cpu:      " + " ".join(f"{m['loss']:.4f}" for m in runs["cpu"]))
-print("  losses gpu:      " + " ".join(f"{m['loss']:.4f}" for m in runs["gpu"]))
-print("  losses gpu bf16: " + " ".join(f"{m['loss']:.4f}" for m in runs["gpu_bf16"]))
+print("  losses cpu:      " + losses("cpu"))
+print("  losses gpu:      " + losses("gpu"))
+print("  losses gpu bf16: " + losses("gpu_bf16"))
 compare("dense on GPU vs on CPU (float32)", "gpu", "cpu", 1e-3)
 compare("bfloat16 vs float32 dense on GPU", "gpu_bf16", "gpu", 2e-2)
 compare("2 processes sharing the GPU vs 1", "gpu_shared_np2", "gpu", 1e-3)
-for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "big_gpu", "big_gpu_bf16"):
-    if not runs[name]:
+compare("LoRA on GPU vs on CPU", "lora_gpu", "lora_cpu", 1e-3)
+compare("LoRA, bfloat16 vs float32 dense on GPU", "lora_gpu_bf16", "lora_gpu", 2e-2)
+compare("LoRA, 2 processes sharing the GPU vs 1", "lora_shared_np2", "lora_gpu", 1e-3)
+compare("deepseek_v3 on GPU vs on CPU", "deepseek_gpu", "deepseek_cpu", 1e-3)
+compare("glm4_moe on GPU vs on CPU", "glm_gpu", "glm_cpu", 1e-3)
+compare("resumed at step 4 on GPU vs uninterrupted", "resumed_gpu", "saved_gpu", 1e-5)
+for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "big_gpu", "big_gpu_bf16"):
+    if not runs.get(name):
         continue
-    steps = runs[name][1:] or runs[name]
+    steps = [runs[name][s] for s in sorted(runs[name])[1:]] or list(runs[name].values())
     n = len(steps)
     step = sum(m["step_s"] for m in steps) / n
     expert = sum(m["expert_s"] for m in steps) / n
@@ -156,15 +192,15 @@ for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "big_gpu", "big_gpu_bf16"):
           f"{(step-expert-comm)*1e3:.1f} ms, expert CPU {expert*1e3:.1f} ms, communication "
           f"{comm*1e3:.1f} ms; PCIe {pcie/2**20:.2f} MiB per step")
 def tokens_per_s(name):
-    steps = runs[name][1:] or runs[name]
+    steps = [runs[name][s] for s in sorted(runs[name])[1:]]
     return sum(m["tokens_per_s"] for m in steps) / len(steps)
-if runs["big_cpu"] and runs["big_gpu"]:
-    worst = max(abs(x["loss"] - y["loss"]) / abs(y["loss"])
-                for x, y in zip(runs["big_gpu"], runs["big_cpu"]))
+if runs.get("big_cpu") and runs.get("big_gpu"):
+    worst = max(abs(m["loss"] - runs["big_cpu"][s]["loss"]) / abs(runs["big_cpu"][s]["loss"])
+                for s, m in runs["big_gpu"].items())
     cpu, gpu = tokens_per_s("big_cpu"), tokens_per_s("big_gpu")
     print(f"  hidden 1024: dense on GPU {gpu:.0f} tokens/s, on CPU {cpu:.0f} ({gpu / cpu:.2f}x; "
           f"largest relative loss difference {worst:.2e}, for information)")
-    if runs["big_gpu_bf16"]:
+    if runs.get("big_gpu_bf16"):
         bf16 = tokens_per_s("big_gpu_bf16")
         print(f"  hidden 1024: dense on GPU in bfloat16 {bf16:.0f} tokens/s ({bf16 / gpu:.2f}x float32)")
 sys.exit(0 if ok else 1)

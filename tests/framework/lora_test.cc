@@ -432,6 +432,8 @@ TEST(Lora, LinearGradientsMatchCentralDifferences) {
 // with and without an adapter, and every gradient in its parameter's dtype.
 TEST(Lora, LinearUnderAutocastTakesBfloat16ActivationsAndFloat32Weights) {
   struct Autocast {
+    const bool was_enabled = at::autocast::is_autocast_enabled(at::kCPU);
+    const at::ScalarType was_dtype = at::autocast::get_autocast_dtype(at::kCPU);
     Autocast() {
       at::autocast::set_autocast_enabled(at::kCPU, true);
       at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
@@ -439,7 +441,8 @@ TEST(Lora, LinearUnderAutocastTakesBfloat16ActivationsAndFloat32Weights) {
     }
     ~Autocast() {
       if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-      at::autocast::set_autocast_enabled(at::kCPU, false);
+      at::autocast::set_autocast_enabled(at::kCPU, was_enabled);
+      at::autocast::set_autocast_dtype(at::kCPU, was_dtype);
     }
   };
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(9);

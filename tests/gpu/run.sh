@@ -11,15 +11,17 @@
 # (each skips with a message where no GPU is visible), then, with a GPU, a
 # short training of the demo model: dense layers on the CPU, on the GPU, on
 # the GPU in bfloat16, and 2 processes sharing the GPU; the same for LoRA; the
-# deepseek_v3 and glm4_moe families on CPU and GPU; a run resumed on the GPU
-# from its checkpoint at step 4; and a larger model with dense on CPU, on GPU
-# and on GPU in bfloat16; and prints a summary:
+# deepseek_v3 and glm4_moe families on CPU and GPU; bfloat16 experts on CPU
+# and GPU; the experts recomputed in backward, and TF32, on the GPU; a run
+# resumed on the GPU from its checkpoint at step 4; and a larger model with
+# dense on CPU, on GPU and on GPU in bfloat16; and prints a summary:
 #   * dense-on-GPU losses equal dense-on-CPU within 1e-3 relative per step
 #     (float32; the GEMMs sum in another order, which grows over the steps),
-#     for the demo, LoRA and both families;
+#     for the demo, LoRA, both families and bfloat16 experts;
 #   * bfloat16 dense compute tracks float32 within 2% per step (full, LoRA);
 #   * 2 processes sharing the GPU equal 1 process within 1e-3 relative;
-#   * the resumed run equals the uninterrupted one within 1e-5;
+#   * the resumed run equals the uninterrupted one within 1e-5, recomputed
+#     experts the stored ones within 1e-6, and TF32 float32 within 1%;
 #   * the step split (dense GPU / expert CPU / communication) and the bytes
 #     across PCIe per step, from the metrics files;
 #   * tokens/s of the larger model with dense on GPU against dense on CPU, and
@@ -135,6 +137,12 @@ glm=(--set model.model_type=glm4_moe --set model.router_aux_loss_coef=0 --set mo
      --set model.first_k_dense_replace=1 --set model.aux_loss_alpha=0.001)
 run glm_cpu 1 8 --set parallel.device=cpu "${glm[@]}"
 run glm_gpu 1 8 --set parallel.device=cuda "${glm[@]}"
+# bfloat16 experts (the activations cross PCIe in bfloat16), the experts
+# recomputed in backward, and TF32 products.
+run experts_bf16_cpu 1 8 --set parallel.device=cpu --set experts.dtype=bfloat16
+run experts_bf16_gpu 1 8 --set parallel.device=cuda --set experts.dtype=bfloat16
+run recompute_gpu 1 8 --set parallel.device=cuda --set train.recompute=experts
+run tf32_gpu 1 8 --set parallel.device=cuda --set train.allow_tf32=true
 rm -rf "$out/ckpt" "$out/ckpt_resumed"
 run saved_gpu 1 8 --set parallel.device=cuda --set checkpoint.save_dir="$out/ckpt" \
   --set checkpoint.save_every_steps=4
@@ -179,7 +187,11 @@ compare("LoRA, 2 processes sharing the GPU vs 1", "lora_shared_np2", "lora_gpu",
 compare("deepseek_v3 on GPU vs on CPU", "deepseek_gpu", "deepseek_cpu", 1e-3)
 compare("glm4_moe on GPU vs on CPU", "glm_gpu", "glm_cpu", 1e-3)
 compare("resumed at step 4 on GPU vs uninterrupted", "resumed_gpu", "saved_gpu", 1e-5)
-for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "big_gpu", "big_gpu_bf16"):
+compare("bfloat16 experts, dense on GPU vs on CPU", "experts_bf16_gpu", "experts_bf16_cpu", 1e-3)
+compare("experts recomputed in backward on GPU vs stored", "recompute_gpu", "gpu", 1e-6)
+compare("TF32 vs float32 dense on GPU", "tf32_gpu", "gpu", 1e-2)
+for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "experts_bf16_gpu", "big_gpu",
+             "big_gpu_bf16"):
     if not runs.get(name):
         continue
     steps = [runs[name][s] for s in sorted(runs[name])[1:]] or list(runs[name].values())

@@ -2,7 +2,6 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <google/protobuf/util/json_util.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -16,6 +15,7 @@
 #include "absl/strings/str_format.h"
 #include "experts/expert_function.h"
 #include "framework/adamw.h"
+#include "framework/dense_autocast.h"
 #include "framework/internal/host_transfer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
@@ -60,37 +60,6 @@ at::Tensor SumOver(parallel::Communicator& comm, at::Tensor t) {
   comm.AllReduce(t, parallel::ReduceOp::kSum)->WaitOrThrow();
   return t;
 }
-
-// Autocast of the dense device for the life of the scope (the forward pass
-// and the loss): matrix products in `dtype`, the float32 parameters cast once
-// per forward (LibTorch's cast cache) and their gradients float32. Nothing
-// when dtype is float32.
-class DenseAutocast {
- public:
-  DenseAutocast(c10::Device device, at::ScalarType dtype)
-      : active_(dtype != at::kFloat), type_(device.type()) {
-    if (!active_) return;
-    previous_enabled_ = at::autocast::is_autocast_enabled(type_);
-    previous_dtype_ = at::autocast::get_autocast_dtype(type_);
-    at::autocast::set_autocast_enabled(type_, true);
-    at::autocast::set_autocast_dtype(type_, dtype);
-    at::autocast::increment_nesting();
-  }
-  ~DenseAutocast() {
-    if (!active_) return;
-    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    at::autocast::set_autocast_enabled(type_, previous_enabled_);
-    at::autocast::set_autocast_dtype(type_, previous_dtype_);
-  }
-  DenseAutocast(const DenseAutocast&) = delete;
-  DenseAutocast& operator=(const DenseAutocast&) = delete;
-
- private:
-  const bool active_;
-  const c10::DeviceType type_;
-  bool previous_enabled_ = false;
-  at::ScalarType previous_dtype_ = at::kFloat;
-};
 
 // FNV-1a of a parameter's name: the same on every rank and every run.
 uint64_t NameKey(const std::string& name) {

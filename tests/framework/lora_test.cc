@@ -10,7 +10,6 @@
 #include "framework/lora.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +20,7 @@
 #include "checkpoint/fp8.h"
 #include "experts/kernels/isa.h"
 #include "framework/data.h"
+#include "framework/dense_autocast.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
@@ -431,20 +431,6 @@ TEST(Lora, LinearGradientsMatchCentralDifferences) {
 // output entering o_proj). Linear gives what LibTorch's autocast linear gives,
 // with and without an adapter, and every gradient in its parameter's dtype.
 TEST(Lora, LinearUnderAutocastTakesBfloat16ActivationsAndFloat32Weights) {
-  struct Autocast {
-    const bool was_enabled = at::autocast::is_autocast_enabled(at::kCPU);
-    const at::ScalarType was_dtype = at::autocast::get_autocast_dtype(at::kCPU);
-    Autocast() {
-      at::autocast::set_autocast_enabled(at::kCPU, true);
-      at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
-      at::autocast::increment_nesting();
-    }
-    ~Autocast() {
-      if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-      at::autocast::set_autocast_enabled(at::kCPU, was_enabled);
-      at::autocast::set_autocast_dtype(at::kCPU, was_dtype);
-    }
-  };
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(9);
   const at::Tensor x0 = at::randn({6, 8}, gen).to(at::kBFloat16);
   const at::Tensor w0 = at::randn({5, 8}, gen), bias0 = at::randn({5}, gen);
@@ -463,7 +449,7 @@ TEST(Lora, LinearUnderAutocastTakesBfloat16ActivationsAndFloat32Weights) {
         adapter.scaling = 0.5;
       }
       {
-        Autocast autocast;
+        DenseAutocast autocast(c10::Device(c10::kCPU), at::kBFloat16);
         outs[reference] = reference == 0 ? Linear(x, w, bias, adapter) : at::linear(x, w, bias);
         if (reference == 1 && with_adapter) {
           outs[reference] =

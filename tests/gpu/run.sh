@@ -161,6 +161,12 @@ out = sys.argv[1]
 runs = {os.path.basename(p)[:-len(".jsonl")]: {m["step"]: m for m in map(json.loads, open(p))}
         for p in glob.glob(f"{out}/*.jsonl")}
 ok = True
+def worst(a, b):
+    """The largest relative loss difference of a's steps from the same steps of b."""
+    return max(abs(m["loss"] - runs[b][s]["loss"]) / abs(runs[b][s]["loss"]) for s, m in runs[a].items())
+def later_steps(name):
+    """A run's metrics after its first step (which warms up), or its only one."""
+    return [runs[name][s] for s in sorted(runs[name])[1:]] or list(runs[name].values())
 def compare(label, a, b, rel):
     """Every step a has, against the same step of b (b has at least a's steps)."""
     global ok
@@ -168,10 +174,10 @@ def compare(label, a, b, rel):
         print(f"  {label}: not compared (a run failed): FAILED")
         ok = False
         return
-    worst = max(abs(m["loss"] - runs[b][s]["loss"]) / abs(runs[b][s]["loss"]) for s, m in runs[a].items())
-    ok &= worst <= rel
-    print(f"  {label}: largest relative loss difference {worst:.2e} (limit {rel:g}) "
-          f"{'ok' if worst <= rel else 'FAILED'}")
+    worst_ab = worst(a, b)
+    ok &= worst_ab <= rel
+    print(f"  {label}: largest relative loss difference {worst_ab:.2e} (limit {rel:g}) "
+          f"{'ok' if worst_ab <= rel else 'FAILED'}")
 def losses(name):
     return " ".join(f"{runs[name][s]['loss']:.4f}" for s in sorted(runs.get(name, {})))
 print("summary:")
@@ -194,7 +200,7 @@ for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "experts_bf16_gpu"
              "big_gpu_bf16"):
     if not runs.get(name):
         continue
-    steps = [runs[name][s] for s in sorted(runs[name])[1:]] or list(runs[name].values())
+    steps = later_steps(name)
     n = len(steps)
     step = sum(m["step_s"] for m in steps) / n
     expert = sum(m["expert_s"] for m in steps) / n
@@ -204,14 +210,12 @@ for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "experts_bf16_gpu"
           f"{(step-expert-comm)*1e3:.1f} ms, expert CPU {expert*1e3:.1f} ms, communication "
           f"{comm*1e3:.1f} ms; PCIe {pcie/2**20:.2f} MiB per step")
 def tokens_per_s(name):
-    steps = [runs[name][s] for s in sorted(runs[name])[1:]]
+    steps = later_steps(name)
     return sum(m["tokens_per_s"] for m in steps) / len(steps)
 if runs.get("big_cpu") and runs.get("big_gpu"):
-    worst = max(abs(m["loss"] - runs["big_cpu"][s]["loss"]) / abs(runs["big_cpu"][s]["loss"])
-                for s, m in runs["big_gpu"].items())
     cpu, gpu = tokens_per_s("big_cpu"), tokens_per_s("big_gpu")
     print(f"  hidden 1024: dense on GPU {gpu:.0f} tokens/s, on CPU {cpu:.0f} ({gpu / cpu:.2f}x; "
-          f"largest relative loss difference {worst:.2e}, for information)")
+          f"largest relative loss difference {worst('big_gpu', 'big_cpu'):.2e}, for information)")
     if runs.get("big_gpu_bf16"):
         bf16 = tokens_per_s("big_gpu_bf16")
         print(f"  hidden 1024: dense on GPU in bfloat16 {bf16:.0f} tokens/s ({bf16 / gpu:.2f}x float32)")

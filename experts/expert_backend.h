@@ -54,20 +54,42 @@ struct ExpertLora {
   bool any() const { return has_gate_up() || has_down(); }
 };
 
-// Packed weights of one layer's local experts: float32, bfloat16, or (frozen
-// only) float8_e4m3fn with float32 scales per 128 x 128 block of each expert's
-// matrix, as DeepSeek-V3 checkpoints store them; FP8 weights are multiplied as
-// they are, block by block, never dequantized whole.
+// Packed weights of one layer's local experts: float32, bfloat16, or, frozen
+// only, quantized as a checkpoint stores them and multiplied as they are,
+// block by block, never dequantized whole:
+//   float8_e4m3fn with float32 scales per 128 x 128 block of each expert's
+//     matrix (DeepSeek-V3, Kimi-K2);
+//   int4 (compressed-tensors' pack-quantized, Kimi-K2-Thinking): uint8
+//     tensors holding two 4-bit elements per byte, the low nibble first, each
+//     q + 8 for q in [-8, 7], every row's bytes padded to whole 32-bit words
+//     as the checkpoint's int32 words are -- gate_up_proj [E, 2I, W(H)],
+//     down_proj [E, H, W(I)] with W(n) = ceil(n / 8) * 4 -- with a bfloat16
+//     scale and, asymmetric, an int8 zero point z per group of
+//     int4_group_size consecutive inputs of a row; an element is worth
+//     bfloat16((q - z) x scale), what the checkpoint's own decompression gives.
 struct ExpertWeights {
   at::Tensor gate_up_proj;  // [E, 2I, H]
   at::Tensor down_proj;     // [E, H, I]
   ExpertLora lora;          // none by default
-  at::Tensor gate_up_scale;  // FP8 only: [E, ceil(2I/128), ceil(H/128)]
-  at::Tensor down_scale;     // FP8 only: [E, ceil(H/128), ceil(I/128)]
+  // FP8: [E, ceil(2I/128), ceil(H/128)] float32; int4: [E, 2I, ceil(H/G)] bfloat16.
+  at::Tensor gate_up_scale;
+  // FP8: [E, ceil(H/128), ceil(I/128)] float32; int4: [E, H, ceil(I/G)] bfloat16.
+  at::Tensor down_scale;
+  // int4 with zero points only: int8, shaped as the scales.
+  at::Tensor gate_up_zero_point, down_zero_point;
+  int64_t int4_group_size = 0;  // G, int4 only
+
+  bool int4() const { return gate_up_proj.scalar_type() == at::kByte; }
+  int64_t hidden() const { return down_proj.size(1); }
+  int64_t intermediate() const { return gate_up_proj.size(1) / 2; }
 };
 
+// The bytes of one row of n int4 elements: whole 32-bit words, as
+// compressed-tensors packs them.
+inline int64_t Int4RowBytes(int64_t n) { return (n + 7) / 8 * 4; }
+
 struct ExpertGrads {
-  at::Tensor x;             // [A, H]
+  at::Tensor x;  // [A, H]
   // [E, 2I, H] and [E, H, I]; undefined without base_weight_grads. A backend
   // may return them in float32 for a bfloat16 base (the gradients of float32
   // masters, summed in float32).
@@ -126,7 +148,7 @@ class ExpertBackend {
 
   // x: [A, H] with A = sum(counts) in segments (see above), same dtype and
   // device as the base weights (float32, bfloat16 or float64; CPU; float32 or
-  // bfloat16 with FP8 weights, which are frozen). Or, with x_index defined
+  // bfloat16 with FP8 or int4 weights, which are frozen). Or, with x_index defined
   // ([A] int64, values in [0, R)), x is [R, H] and row a of the computation
   // is x[x_index[a]]: a token's row, received once, is read once per local
   // expert it visits without being copied out per expert. Returns

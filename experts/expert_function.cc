@@ -37,8 +37,8 @@ class ComputeTimer {
 
 // Inputs: x, the base weights, the four LoRA tensors (empty optionals where
 // there is no adapter: autograd takes no undefined tensor as an input), the
-// compute weights and their FP8 block scales (optionals too), then the
-// non-tensor arguments.
+// compute weights and their FP8 block scales or int4 group scales and zero
+// points (optionals too), then the non-tensor arguments.
 class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
  public:
   using Lora = std::optional<at::Tensor>;
@@ -50,7 +50,8 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
                             const at::Tensor& down_in, const Lora& gate_up_a, const Lora& gate_up_b,
                             const Lora& down_a, const Lora& down_b, at::Tensor gate_up_proj,
                             at::Tensor down_proj, const Lora& gate_up_scale, const Lora& down_scale,
-                            double scaling, ExpertBackend* backend,
+                            const Lora& gate_up_zero_point, const Lora& down_zero_point,
+                            int64_t int4_group_size, double scaling, ExpertBackend* backend,
                             const std::vector<int64_t>& counts, bool recompute,
                             bool base_weight_grads, const Lora& row_index_opt,
                             const Lora& row_copies_opt) {
@@ -58,15 +59,21 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     auto get = [](const Lora& t) { return t.has_value() ? *t : at::Tensor(); };
     ctx->saved_data["master_dtype"] = static_cast<int64_t>(gate_up_in.scalar_type());
     const ExpertWeights w{
-        gate_up_proj, down_proj,
+        gate_up_proj,
+        down_proj,
         ExpertLora{get(gate_up_a), get(gate_up_b), get(down_a), get(down_b), scaling},
-        get(gate_up_scale), get(down_scale)};
+        get(gate_up_scale),
+        get(down_scale),
+        get(gate_up_zero_point),
+        get(down_zero_point),
+        int4_group_size};
     at::Tensor activations;
     const at::Tensor row_index = get(row_index_opt), row_copies = get(row_copies_opt);
     at::Tensor y = backend->Forward(x, row_index, counts, w, recompute ? nullptr : &activations);
     ctx->save_for_backward({x, gate_up_proj, down_proj, w.lora.gate_up_a, w.lora.gate_up_b,
                             w.lora.down_a, w.lora.down_b, activations, w.gate_up_scale,
-                            w.down_scale});
+                            w.down_scale, w.gate_up_zero_point, w.down_zero_point});
+    ctx->saved_data["int4_group_size"] = int4_group_size;
     ctx->saved_data["backend"] = reinterpret_cast<int64_t>(backend);
     ctx->saved_data["counts"] = counts;
     ctx->saved_data["scaling"] = scaling;
@@ -82,9 +89,14 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     auto* backend = reinterpret_cast<ExpertBackend*>(ctx->saved_data["backend"].toInt());
     const std::vector<int64_t> counts = ctx->saved_data["counts"].toIntVector();
     const ExpertWeights w{
-        saved[1], saved[2],
+        saved[1],
+        saved[2],
         ExpertLora{saved[3], saved[4], saved[5], saved[6], ctx->saved_data["scaling"].toDouble()},
-        saved[8], saved[9]};
+        saved[8],
+        saved[9],
+        saved[10],
+        saved[11],
+        ctx->saved_data["int4_group_size"].toInt()};
     BackwardOptions options;
     options.base_weight_grads = ctx->saved_data["base_weight_grads"].toBool();
     const at::Tensor row_index = ctx->saved_data["row_index"].toTensor();
@@ -92,8 +104,7 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
     ExpertGrads g = backend->Backward(grad_outputs[0].to(saved[0].scalar_type()), saved[0],
                                       row_index, counts, w, saved[7], options);
     if (row_index.defined()) g.x = internal::SumCopies(g.x, row_copies);
-    const auto master =
-        static_cast<at::ScalarType>(ctx->saved_data["master_dtype"].toInt());
+    const auto master = static_cast<at::ScalarType>(ctx->saved_data["master_dtype"].toInt());
     auto to_master = [&](const at::Tensor& t) { return t.defined() ? t.to(master) : t; };
     return {g.x,
             to_master(g.gate_up_proj),
@@ -102,6 +113,9 @@ class ExpertFfnFunction : public torch::autograd::Function<ExpertFfnFunction> {
             g.gate_up_b,
             g.down_a,
             g.down_b,
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
             at::Tensor(),
             at::Tensor(),
             at::Tensor(),
@@ -152,10 +166,10 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   const at::Tensor& down_proj = weights.down_proj;
   TORCH_CHECK(x.dim() == 2 && gate_up_proj.dim() == 3 && down_proj.dim() == 3,
               "expert inputs: x [A, H], gate_up_proj [E, 2I, H], down_proj [E, H, I]");
-  TORCH_CHECK(gate_up_proj.size(0) > 0 &&
-                  static_cast<int64_t>(counts.size()) % gate_up_proj.size(0) == 0,
-              "counts has ", counts.size(), " segments, not a multiple of the weights' ",
-              gate_up_proj.size(0), " experts");
+  TORCH_CHECK(
+      gate_up_proj.size(0) > 0 && static_cast<int64_t>(counts.size()) % gate_up_proj.size(0) == 0,
+      "counts has ", counts.size(), " segments, not a multiple of the weights' ",
+      gate_up_proj.size(0), " experts");
   const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
   const at::Tensor& row_index = options.row_index;
   const at::Tensor& row_copies = options.row_copies;
@@ -191,14 +205,15 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
     TORCH_CHECK(total == x.size(0), "counts sum to ", total, " but x has ", x.size(0), " rows");
   }
   const bool fp8 = gate_up_proj.scalar_type() == at::kFloat8_e4m3fn;
+  const bool int4 = weights.int4();
   TORCH_CHECK(gate_up_proj.scalar_type() == down_proj.scalar_type(),
               "expert weights gate_up_proj and down_proj must share a dtype; got ",
               gate_up_proj.scalar_type(), " and ", down_proj.scalar_type());
-  TORCH_CHECK(fp8 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
-                  : x.scalar_type() == gate_up_proj.scalar_type(),
+  TORCH_CHECK(fp8 || int4 ? (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16)
+                          : x.scalar_type() == gate_up_proj.scalar_type(),
               "expert input ", x.scalar_type(), " does not suit weights of ",
               gate_up_proj.scalar_type(),
-              " (the same dtype, or float32/bfloat16 with float8_e4m3fn weights)");
+              " (the same dtype, or float32/bfloat16 with float8_e4m3fn or int4 weights)");
   if (fp8) {
     auto blocks = [](int64_t n) { return (n + 127) / 128; };
     const at::Tensor& gs = weights.gate_up_scale;
@@ -216,14 +231,47 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
                     !down_proj.requires_grad(),
                 "float8_e4m3fn expert weights are frozen: they take no gradient");
   }
-  TORCH_CHECK(gate_up_proj.size(0) == down_proj.size(0) &&
-                  gate_up_proj.size(1) == 2 * down_proj.size(2) &&
-                  gate_up_proj.size(2) == down_proj.size(1) && x.size(1) == down_proj.size(1),
-              "expert weight shapes disagree: gate_up_proj ", gate_up_proj.sizes(), ", down_proj ",
-              down_proj.sizes(), ", x ", x.sizes());
+  if (int4) {
+    const int64_t h = down_proj.size(1), i = gate_up_proj.size(1) / 2;
+    const int64_t g = weights.int4_group_size;
+    TORCH_CHECK(gate_up_proj.size(0) == down_proj.size(0) && gate_up_proj.size(1) % 2 == 0 &&
+                    gate_up_proj.size(2) == Int4RowBytes(h) &&
+                    down_proj.size(2) == Int4RowBytes(i) && x.size(1) == h,
+                "int4 expert weight shapes disagree: gate_up_proj ", gate_up_proj.sizes(),
+                " (want [E, 2I, ceil(H / 8) * 4]), down_proj ", down_proj.sizes(),
+                " (want [E, H, ceil(I / 8) * 4]), x ", x.sizes());
+    TORCH_CHECK(g > 0 && g % 2 == 0, "int4 experts need an even group size; got ", g);
+    const at::Tensor& gs = weights.gate_up_scale;
+    const at::Tensor& ds = weights.down_scale;
+    auto groups = [&](int64_t n) { return (n + g - 1) / g; };
+    TORCH_CHECK(gs.defined() && ds.defined() && gs.scalar_type() == at::kBFloat16 &&
+                    ds.scalar_type() == at::kBFloat16 && gs.is_contiguous() && ds.is_contiguous() &&
+                    gs.sizes() == at::IntArrayRef({gate_up_proj.size(0), 2 * i, groups(h)}) &&
+                    ds.sizes() == at::IntArrayRef({down_proj.size(0), h, groups(i)}),
+                "int4 expert weights need contiguous bfloat16 scales, one per ", g,
+                " inputs of a row: got ", gs.defined() ? gs.sizes() : at::IntArrayRef{}, " and ",
+                ds.defined() ? ds.sizes() : at::IntArrayRef{}, " for H ", h, " and I ", i);
+    const at::Tensor& gz = weights.gate_up_zero_point;
+    const at::Tensor& dz = weights.down_zero_point;
+    TORCH_CHECK(
+        gz.defined() == dz.defined() &&
+            (!gz.defined() || (gz.scalar_type() == at::kChar && dz.scalar_type() == at::kChar &&
+                               gz.sizes() == gs.sizes() && dz.sizes() == ds.sizes() &&
+                               gz.is_contiguous() && dz.is_contiguous())),
+        "int4 zero points: both or neither, contiguous int8 shaped as the scales");
+    TORCH_CHECK(!options.gate_up_master.defined() && !gate_up_proj.requires_grad() &&
+                    !down_proj.requires_grad(),
+                "int4 expert weights are frozen: they take no gradient");
+  } else {
+    TORCH_CHECK(gate_up_proj.size(0) == down_proj.size(0) &&
+                    gate_up_proj.size(1) == 2 * down_proj.size(2) &&
+                    gate_up_proj.size(2) == down_proj.size(1) && x.size(1) == down_proj.size(1),
+                "expert weight shapes disagree: gate_up_proj ", gate_up_proj.sizes(),
+                ", down_proj ", down_proj.sizes(), ", x ", x.sizes());
+  }
   const ExpertLora& lora = weights.lora;
-  const int64_t experts = gate_up_proj.size(0), hidden = down_proj.size(1);
-  const int64_t inter = down_proj.size(2);
+  const int64_t experts = gate_up_proj.size(0), hidden = weights.hidden();
+  const int64_t inter = weights.intermediate();
   CheckLoraPair("gate_up", lora.gate_up_a, lora.gate_up_b, experts, hidden, 2 * inter,
                 gate_up_proj);
   CheckLoraPair("down", lora.down_a, lora.down_b, experts, inter, hidden, down_proj);
@@ -250,7 +298,8 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
   return ExpertFfnFunction::apply(
       x.contiguous(), gate_up_in, down_in, opt(lora.gate_up_a), opt(lora.gate_up_b),
       opt(lora.down_a), opt(lora.down_b), gate_up_proj.detach(), down_proj.detach(),
-      opt(weights.gate_up_scale), opt(weights.down_scale), lora.scaling, &backend, counts,
+      opt(weights.gate_up_scale), opt(weights.down_scale), opt(weights.gate_up_zero_point),
+      opt(weights.down_zero_point), weights.int4_group_size, lora.scaling, &backend, counts,
       options.recompute, base_weight_grads, opt(row_index), opt(row_copies));
 }
 

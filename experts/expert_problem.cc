@@ -10,12 +10,12 @@
 #include <utility>
 
 #include "checkpoint/fp8.h"
+#include "experts/int4.h"
 #include "experts/kernels/gemm.h"
 
 namespace moefit::experts {
 
-ExpertProblem MakeExpertProblem(const ExpertProblemShape& s, at::ScalarType dtype,
-                                uint64_t seed) {
+ExpertProblem MakeExpertProblem(const ExpertProblemShape& s, at::ScalarType dtype, uint64_t seed) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   const at::TensorOptions f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor ids;
@@ -81,6 +81,20 @@ ExpertWeights QuantizeFp8(const ExpertProblem& p) {
   ExpertWeights w;
   std::tie(w.gate_up_proj, w.gate_up_scale) = quantize(p.gate_up_proj);
   std::tie(w.down_proj, w.down_scale) = quantize(p.down_proj);
+  return w;
+}
+
+ExpertWeights QuantizeInt4Experts(const ExpertProblem& p, int64_t group_size, bool symmetric) {
+  const Int4Weight gate_up = QuantizeInt4(p.gate_up_proj, group_size, symmetric);
+  const Int4Weight down = QuantizeInt4(p.down_proj, group_size, symmetric);
+  ExpertWeights w;
+  w.gate_up_proj = gate_up.bytes;
+  w.gate_up_scale = gate_up.scale;
+  w.gate_up_zero_point = gate_up.zero_point;
+  w.down_proj = down.bytes;
+  w.down_scale = down.scale;
+  w.down_zero_point = down.zero_point;
+  w.int4_group_size = group_size;
   return w;
 }
 

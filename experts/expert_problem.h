@@ -60,6 +60,11 @@ ExpertLora MakeExpertLora(const ExpertProblemShape& shape, const LoraSpec& spec,
 // 128 x 128 block (checkpoint::QuantizeBlockFp8), for the frozen-FP8 paths.
 ExpertWeights QuantizeFp8(const ExpertProblem& problem);
 
+// The problem's weights quantized to int4 in groups of group_size inputs
+// (QuantizeInt4, int4.h), for the frozen-int4 paths.
+ExpertWeights QuantizeInt4Experts(const ExpertProblem& problem, int64_t group_size,
+                                  bool symmetric = true);
+
 // Multiply-adds of forward and backward: 2*A*H*(2I) + 2*A*I*H forward, twice that backward.
 double ExpertForwardFlops(const ExpertProblemShape& shape);
 

@@ -42,8 +42,7 @@ void LargestFirst(std::vector<T>& tiles, const Cost& cost) {
 
 // Cuts each segment (segment s: counts[s] rows of expert s % num_experts)
 // into blocks of at most `block` rows, largest first.
-std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t num_experts,
-                           int64_t block) {
+std::vector<Tile> RowTiles(const std::vector<int64_t>& counts, int64_t num_experts, int64_t block) {
   std::vector<Tile> tiles;
   int64_t row = 0;
   for (size_t s = 0; s < counts.size(); ++s) {
@@ -68,7 +67,8 @@ int64_t TileRows(int64_t num_rows, int num_threads) {
 void MmInto(at::Tensor out, const at::Tensor& a, const at::Tensor& b) { at::mm_out(out, a, b); }
 
 // The base GEMMs run on moefit's kernels (experts/kernels) for float32,
-// bfloat16 and FP8 weights; float64 (the gradient checks) takes LibTorch's mm.
+// bfloat16, FP8 and int4 weights; float64 (the gradient checks) takes
+// LibTorch's mm.
 bool OnKernels(const at::Tensor& x) { return x.scalar_type() != at::kDouble; }
 
 kernels::ElemType KernelType(at::ScalarType t) {
@@ -161,18 +161,36 @@ kernels::Output OutputOp(const at::Tensor& t) {
   return kernels::Output{t.data_ptr(), KernelType(t.scalar_type()), t.stride(0)};
 }
 
-// Expert e's packed weight w[e] ([rows, cols], with FP8 block scales
-// scale[e] when w is FP8) read as W, or as Wᵀ.
-kernels::Operand WeightOp(const at::Tensor& w, const at::Tensor& scale, int64_t e,
-                          bool transposed) {
-  kernels::Operand op = MatrixOp(w[e], transposed);
-  if (op.type == kernels::ElemType::kF8E4M3) {
-    const at::Tensor s = scale[e];
-    op.scales = s.data_ptr<float>();
-    op.scale_row_stride = transposed ? s.stride(1) : s.stride(0);
-    op.scale_col_stride = transposed ? s.stride(0) : s.stride(1);
+// One packed weight of the layer (gate_up_proj or down_proj, or rows of it)
+// with its quantization where it is FP8 or int4.
+struct Matrix {
+  at::Tensor w;
+  WeightQuantization q;
+
+  // Rows [r0, r0 + n) of each expert's matrix (FP8: r0 on a scale block).
+  Matrix Rows(int64_t r0, int64_t n) const {
+    Matrix m{w.narrow(1, r0, n), q};
+    if (w.scalar_type() == at::kFloat8_e4m3fn) {
+      TORCH_CHECK(r0 % kernels::kScaleBlock == 0, "FP8 weight rows from ", r0,
+                  " do not start on a scale block");
+      m.q.scale = q.scale.narrow(1, r0 / kernels::kScaleBlock,
+                                 (n + kernels::kScaleBlock - 1) / kernels::kScaleBlock);
+    } else if (w.scalar_type() == at::kByte) {
+      m.q.scale = q.scale.narrow(1, r0, n);
+      if (q.zero_point.defined()) m.q.zero_point = q.zero_point.narrow(1, r0, n);
+    }
+    return m;
   }
-  return op;
+};
+
+Matrix GateUpOf(const ExpertWeights& w) {
+  return {w.gate_up_proj,
+          {w.gate_up_scale, w.gate_up_zero_point, w.int4_group_size, w.int4() ? w.hidden() : 0}};
+}
+
+Matrix DownOf(const ExpertWeights& w) {
+  return {w.down_proj,
+          {w.down_scale, w.down_zero_point, w.int4_group_size, w.int4() ? w.intermediate() : 0}};
 }
 
 // Per expert, the GEMM path of its tiles: streamed when the expert has few
@@ -195,10 +213,10 @@ using Packs = PackedWeightCache::Packs;
 // out = a · w[e]ᵀ (transposed) or a · w[e], with w's packs made ahead for
 // this orientation where there are (the blocked path; the streamed one reads
 // w as it is).
-void WeightMm(at::Tensor out, const InRows& a, const at::Tensor& w, const at::Tensor& scale,
-              int64_t e, bool transposed, kernels::RowPath path, const Packs* packs) {
+void WeightMm(at::Tensor out, const InRows& a, const Matrix& m, int64_t e, bool transposed,
+              kernels::RowPath path, const Packs* packs) {
   if (!OnKernels(a.stored())) {
-    MmInto(out, a.Tensor(), transposed ? w[e].t() : w[e]);
+    MmInto(out, a.Tensor(), transposed ? m.w[e].t() : m.w[e]);
     return;
   }
   if (packs != nullptr && path == kernels::RowPath::kBlocked) {
@@ -206,8 +224,9 @@ void WeightMm(at::Tensor out, const InRows& a, const at::Tensor& w, const at::Te
                   /*accumulate=*/false, path);
     return;
   }
-  kernels::Gemm(a.rows(), out.size(1), a.cols(), a.Op(), WeightOp(w, scale, e, transposed),
-                OutputOp(out), /*accumulate=*/false, path);
+  kernels::Gemm(a.rows(), out.size(1), a.cols(), a.Op(),
+                ExpertWeightOperand(m.w, m.q, e, transposed), OutputOp(out), /*accumulate=*/false,
+                path);
 }
 
 // Torch's own intra-op threads are set to one while the tiles run: the
@@ -328,7 +347,7 @@ void AddMm(at::Tensor out, const at::Tensor& u, const at::Tensor& m, kernels::Ro
 // without a gate_up adapter).
 at::Tensor GateUpTile(const InRows& x_t, int64_t e, const ExpertWeights& w, at::Tensor gu_t,
                       kernels::RowPath path, const Packs* packs) {
-  WeightMm(gu_t, x_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/true, path, packs);
+  WeightMm(gu_t, x_t, GateUpOf(w), e, /*transposed=*/true, path, packs);
   if (!w.lora.has_gate_up()) return {};
   at::Tensor u = ScaledMm(x_t, w.lora.gate_up_a[e].t(), w.lora.scaling, path);
   AddMm(gu_t, u, w.lora.gate_up_b[e].t(), path);
@@ -349,42 +368,32 @@ kernels::Rows RowsOf(const at::Tensor& t, int64_t col0 = 0) {
 }
 
 // The gate half (rows [0, I) of each expert's [2I, H]) or the up half of
-// gate_up_proj, and its FP8 block scales; FP8 halves need I % 128 == 0.
-std::pair<at::Tensor, at::Tensor> Half(const ExpertWeights& w, bool up) {
-  const int64_t inter = w.gate_up_proj.size(1) / 2;
-  at::Tensor half = w.gate_up_proj.narrow(1, up ? inter : 0, inter);
-  at::Tensor scale;
-  if (w.gate_up_scale.defined()) {
-    const int64_t blocks = inter / kernels::kScaleBlock;
-    scale = w.gate_up_scale.narrow(1, up ? blocks : 0, blocks);
-  }
-  return {half, scale};
+// gate_up_proj, with its quantization; FP8 halves need I % 128 == 0.
+Matrix Half(const ExpertWeights& w, bool up) {
+  const int64_t inter = w.intermediate();
+  return GateUpOf(w).Rows(up ? inter : 0, inter);
 }
 
 // Whether the fused gate/up path can run: the base GEMM alone makes the
 // pre-activations (no LoRA term to add first), on the kernels, and FP8
 // halves start on a scale block.
 bool CanFuseGateUp(const at::Tensor& x, const ExpertWeights& w) {
-  const int64_t inter = w.gate_up_proj.size(1) / 2;
   return OnKernels(x) && !w.lora.has_gate_up() &&
-         (w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn || inter % kernels::kScaleBlock == 0);
+         (w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn ||
+          w.intermediate() % kernels::kScaleBlock == 0);
 }
 
 // out = x_t · half[e][c0 : c0 + n]ᵀ, from the half's packs where there are.
-void HalfMm(at::Tensor out, const InRows& x_t, const std::pair<at::Tensor, at::Tensor>& half,
-            int64_t e, int64_t c0, int64_t n, kernels::RowPath path, const Packs* packs) {
+void HalfMm(at::Tensor out, const InRows& x_t, const Matrix& half, int64_t e, int64_t c0, int64_t n,
+            kernels::RowPath path, const Packs* packs) {
   if (packs != nullptr && path == kernels::RowPath::kBlocked) {
     kernels::GemmColumns(kernels::ActiveIsa(), x_t.rows(), x_t.Op(), packs->Get(e), c0, n,
                          OutputOp(out), /*accumulate=*/false, path);
     return;
   }
-  const at::Tensor& scale = half.second;
-  const at::Tensor s = scale.defined()
-                           ? scale.narrow(1, c0 / kernels::kScaleBlock,
-                                          (n + kernels::kScaleBlock - 1) / kernels::kScaleBlock)
-                           : scale;
+  const Matrix rows = half.Rows(c0, n);
   kernels::Gemm(x_t.rows(), n, x_t.cols(), x_t.Op(),
-                WeightOp(half.first.narrow(1, c0, n), s, e, /*transposed=*/true), OutputOp(out),
+                ExpertWeightOperand(rows.w, rows.q, e, /*transposed=*/true), OutputOp(out),
                 /*accumulate=*/false, path);
 }
 
@@ -481,17 +490,17 @@ class GroupedBackend final : public ExpertBackend {
     const Input input = MakeInput(x_in, x_index);
     const InRows& xr = input.rows;
     const at::Tensor& x = input.stored;
-    const int64_t rows = xr.rows(), inter = w.down_proj.size(2);
+    const int64_t rows = xr.rows(), inter = w.intermediate();
     const ExpertLora& lora = w.lora;
     at::Tensor gate_up = at::empty({rows, 2 * inter}, x.options());
     at::Tensor h = at::empty({rows, inter}, x.options());
-    at::Tensor y = at::empty({rows, w.down_proj.size(1)}, x.options());
+    at::Tensor y = at::empty({rows, w.hidden()}, x.options());
     const std::vector<Tile> tiles =
         RowTiles(counts, w.gate_up_proj.size(0), TileRows(rows, num_threads_));
     const std::vector<kernels::RowPath> paths = ExpertPaths(counts, w.gate_up_proj.size(0));
     const bool fused = fused_swiglu_ && CanFuseGateUp(x, w);
     const GateUpPacks gu_packs = GateUpForwardPacks(w, x, fused);
-    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/true, x);
+    const auto down_packs = Lookup(DownOf(w), /*transposed=*/true, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
@@ -505,8 +514,7 @@ class GroupedBackend final : public ExpertBackend {
         GateUpTile(x_t, e, w, gu_t, paths[e], gu_packs.whole.get());
         SiluMulTile(gu_t, h_t);
       }
-      WeightMm(y_t, h_t, w.down_proj, w.down_scale, e, /*transposed=*/true, paths[e],
-               down_packs.get());
+      WeightMm(y_t, h_t, DownOf(w), e, /*transposed=*/true, paths[e], down_packs.get());
       if (lora.has_down()) {
         AddMm(y_t, ScaledMm(h_t, lora.down_a[e].t(), lora.scaling, paths[e]), lora.down_b[e].t(),
               paths[e]);
@@ -523,8 +531,8 @@ class GroupedBackend final : public ExpertBackend {
     const Input input = MakeInput(x_in, x_index);
     const InRows& xr = input.rows;
     const at::Tensor& x = input.stored;
-    const int64_t rows = xr.rows(), inter = w.down_proj.size(2);
-    const int64_t hidden = w.down_proj.size(1);
+    const int64_t rows = xr.rows(), inter = w.intermediate();
+    const int64_t hidden = w.hidden();
     const ExpertLora& lora = w.lora;
     const double scale = lora.scaling;
     const bool base = options.base_weight_grads;
@@ -544,8 +552,8 @@ class GroupedBackend final : public ExpertBackend {
     ExpertGrads g;
     g.x = at::empty({rows, x.size(1)}, x.options());
     if (base) {
-      TORCH_CHECK(w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn,
-                  "FP8 expert weights are frozen: they have no weight gradients");
+      TORCH_CHECK(w.gate_up_proj.scalar_type() != at::kFloat8_e4m3fn && !w.int4(),
+                  "FP8 and int4 expert weights are frozen: they have no weight gradients");
       // A bfloat16 base gets float32 gradients (those of its float32 masters).
       const at::ScalarType grad_dtype =
           w.gate_up_proj.scalar_type() == at::kBFloat16 ? at::kFloat : w.gate_up_proj.scalar_type();
@@ -579,8 +587,8 @@ class GroupedBackend final : public ExpertBackend {
     const bool fused = fused_swiglu_ && CanFuseGateUp(x, w);
     const GateUpPacks gu_fwd_packs =
         activations.defined() ? GateUpPacks{} : GateUpForwardPacks(w, x, fused);
-    const auto gate_up_packs = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/false, x);
-    const auto down_packs = Lookup(w.down_proj, w.down_scale, /*transposed=*/false, x);
+    const auto gate_up_packs = Lookup(GateUpOf(w), /*transposed=*/false, x);
+    const auto down_packs = Lookup(DownOf(w), /*transposed=*/false, x);
     RunTiles(tiles.size(), [&](size_t t) {
       const Tile& tile = tiles[t];
       const int64_t e = tile.expert;
@@ -605,8 +613,7 @@ class GroupedBackend final : public ExpertBackend {
             .copy_(ScaledMm(x_t, lora.gate_up_a[e].t(), scale, paths[e]));
       }
       at::Tensor dh_t = at::empty({tile.size, inter}, x.options());
-      WeightMm(dh_t, dy_t, w.down_proj, w.down_scale, e, /*transposed=*/false, paths[e],
-               down_packs.get());
+      WeightMm(dh_t, dy_t, DownOf(w), e, /*transposed=*/false, paths[e], down_packs.get());
       if (lora_down) {
         at::Tensor du = ScaledMm(dy_t, lora.down_b[e], scale, paths[e]);
         AddMm(dh_t, du, lora.down_a[e], paths[e]);
@@ -627,8 +634,7 @@ class GroupedBackend final : public ExpertBackend {
             .copy_(ScaledMm(h_t, lora.down_a[e].t(), scale, paths[e]));
       }
       at::Tensor dx_t = g.x.narrow(0, tile.begin, tile.size);
-      WeightMm(dx_t, dgu_t, w.gate_up_proj, w.gate_up_scale, e, /*transposed=*/false, paths[e],
-               gate_up_packs.get());
+      WeightMm(dx_t, dgu_t, GateUpOf(w), e, /*transposed=*/false, paths[e], gate_up_packs.get());
       if (lora_gu) {
         at::Tensor du = ScaledMm(dgu_t, lora.gate_up_b[e], scale, paths[e]);
         AddMm(dx_t, du, lora.gate_up_a[e], paths[e]);
@@ -728,11 +734,10 @@ class GroupedBackend final : public ExpertBackend {
   GateUpPacks GateUpForwardPacks(const ExpertWeights& w, const at::Tensor& x, bool fused) {
     GateUpPacks p;
     if (fused) {
-      const auto gate = Half(w, /*up=*/false), up = Half(w, /*up=*/true);
-      p.gate = Lookup(gate.first, gate.second, /*transposed=*/true, x);
-      p.up = Lookup(up.first, up.second, /*transposed=*/true, x);
+      p.gate = Lookup(Half(w, /*up=*/false), /*transposed=*/true, x);
+      p.up = Lookup(Half(w, /*up=*/true), /*transposed=*/true, x);
     } else {
-      p.whole = Lookup(w.gate_up_proj, w.gate_up_scale, /*transposed=*/true, x);
+      p.whole = Lookup(GateUpOf(w), /*transposed=*/true, x);
     }
     return p;
   }
@@ -752,10 +757,9 @@ class GroupedBackend final : public ExpertBackend {
 
   // w's packs for the kernels that will multiply x's rows by it (null: the
   // GEMMs pack per call).
-  std::shared_ptr<const Packs> Lookup(const at::Tensor& w, const at::Tensor& scale, bool transposed,
-                                      const at::Tensor& x) {
+  std::shared_ptr<const Packs> Lookup(const Matrix& m, bool transposed, const at::Tensor& x) {
     if (!OnKernels(x)) return nullptr;
-    return packs_.Lookup(w, scale, transposed, kernels::ActiveIsa(), KernelType(x.scalar_type()));
+    return packs_.Lookup(m.w, m.q, transposed, kernels::ActiveIsa(), KernelType(x.scalar_type()));
   }
 
   // fn(t) for every tile t < num_tiles, in parallel, each tile whole on one

@@ -31,7 +31,11 @@ using internal::PackedKernels;
 // scale block): the float32 block they are summed in stays a few MB.
 constexpr int64_t kMaxBufferedRows = 256;
 
-int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1; }
+// Bytes of one element, for the types stored a byte or more each (not int4).
+int64_t ElementBytes(ElemType t) {
+  TORCH_CHECK(t != ElemType::kI4, "Gemm: int4 elements are half a byte");
+  return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1;
+}
 
 // Columns of B packed at a time when A is a single block of rows (a multiple
 // of every microkernel's nr; 512 x kb float32 fits in L2).
@@ -124,8 +128,19 @@ void CheckOperand(const Operand& op, const char* name) {
   TORCH_CHECK(op.data != nullptr, "Gemm: operand ", name, " has no data");
   TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.scales != nullptr, "Gemm: FP8 operand ", name,
               " needs its block scales");
-  TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.row_index == nullptr, "Gemm: FP8 operand ", name,
+  TORCH_CHECK(!WeightOnly(op.type) || op.row_index == nullptr, "Gemm: FP8 or int4 operand ", name,
               " cannot be read by row index");
+  if (op.type == ElemType::kI4) {
+    TORCH_CHECK(op.group_scales != nullptr, "Gemm: int4 operand ", name, " needs its group scales");
+    TORCH_CHECK(op.group_rows >= 1 && op.group_cols >= 1, "Gemm: int4 operand ", name,
+                " has groups of ", op.group_rows, " x ", op.group_cols);
+    // Rows (or columns) of nibbles start on a byte: the stride between them
+    // and a group's extent along the nibbles are even.
+    const bool along_cols = op.col_stride == 1;
+    TORCH_CHECK((along_cols ? op.row_stride : op.col_stride) % 2 == 0 &&
+                    (along_cols ? op.group_cols : op.group_rows) % 2 == 0,
+                "Gemm: int4 operand ", name, " must have even strides and group extents");
+  }
 }
 
 // A few rows (m <= kStripMaxRows) take B in strips of columns that each
@@ -234,8 +249,8 @@ void Blocked(const PackedKernels& kern, int64_t m, int64_t n, int64_t k_size, co
 }  // namespace
 
 float ElementValue(const Operand& op, int64_t i, int64_t j) {
-  TORCH_CHECK(op.type != ElemType::kF8E4M3 || op.row_index == nullptr,
-              "ElementValue: FP8 operands cannot be read by row index");
+  TORCH_CHECK(!WeightOnly(op.type) || op.row_index == nullptr,
+              "ElementValue: FP8 and int4 operands cannot be read by row index");
   const int64_t idx = RowStart(op, i) + j * op.col_stride;
   switch (op.type) {
     case ElemType::kF32:
@@ -247,6 +262,15 @@ float ElementValue(const Operand& op, int64_t i, int64_t j) {
       const float v = static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
       return v * op.scales[(i / kScaleBlock) * op.scale_row_stride +
                            (j / kScaleBlock) * op.scale_col_stride];
+    }
+    case ElemType::kI4: {
+      const uint8_t b = static_cast<const uint8_t*>(op.data)[idx / 2];
+      const int q = (idx % 2 == 0 ? b & 0xf : b >> 4) - 8;
+      const int64_t g =
+          (i / op.group_rows) * op.scale_row_stride + (j / op.group_cols) * op.scale_col_stride;
+      const int z = op.zero_points != nullptr ? op.zero_points[g] : 0;
+      const float scale = FromBf16(op.group_scales[g]);
+      return static_cast<float>(c10::BFloat16(static_cast<float>(q - z) * scale));
     }
   }
   return 0;
@@ -281,6 +305,7 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   }
   CheckOperand(a, "A");
   CheckOperand(b, "B");
+  TORCH_CHECK(a.type != ElemType::kI4, "Gemm: A cannot be int4");
   // A bfloat16 output is summed in a float32 block of all its rows: bound
   // that block by taking the rows in chunks (each packs B again, which a
   // chunk this tall amortizes).
@@ -297,8 +322,7 @@ void Gemm(Isa isa, int64_t m, int64_t n, int64_t k_size, const Operand& a, const
   // small_rows reads A's rows along k and declines other layouts of A: an
   // operand read by index is copied out whole (a few rows of A; all of B)
   // only for a call it can take.
-  const bool a_along_k =
-      a.row_index != nullptr || (a.col_stride == 1 && a.type != ElemType::kF8E4M3);
+  const bool a_along_k = a.row_index != nullptr || (a.col_stride == 1 && !WeightOnly(a.type));
   if (streamed && kern.small_rows != nullptr && a_along_k) {
     Workspace& ws = ThreadWorkspace();
     const Operand sa = a.row_index != nullptr ? CopyIndexedRows(a, 0, m, 0, k_size, ws.rows_a) : a;
@@ -423,8 +447,18 @@ void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t
       m == 0 || num_cols == 0 || k_size == 0 || col0 % b.kern_->nr != 0) {
     Operand src = b.source_;
     if (col0 > 0) {
-      src.data =
-          static_cast<const char*>(src.data) + col0 * src.col_stride * ElementBytes(src.type);
+      if (src.type == ElemType::kI4) {
+        TORCH_CHECK(col0 % src.group_cols == 0 && col0 * src.col_stride % 2 == 0,
+                    "Gemm: int4 column ranges must start on a group and a byte");
+        src.data = static_cast<const char*>(src.data) + col0 * src.col_stride / 2;
+        src.group_scales += (col0 / src.group_cols) * src.scale_col_stride;
+        if (src.zero_points != nullptr) {
+          src.zero_points += (col0 / src.group_cols) * src.scale_col_stride;
+        }
+      } else {
+        src.data =
+            static_cast<const char*>(src.data) + col0 * src.col_stride * ElementBytes(src.type);
+      }
       if (src.type == ElemType::kF8E4M3) {
         TORCH_CHECK(col0 % kScaleBlock == 0, "Gemm: FP8 column ranges must start on a scale block");
         src.scales += (col0 / kScaleBlock) * src.scale_col_stride;

@@ -1,6 +1,7 @@
 // moefit's own GEMM for the expert layers: float32 accumulation over operands
-// stored as float32, bfloat16 or FP8 e4m3 with block scales, converted block
-// by block as they are packed, never as a whole tensor.
+// stored as float32, bfloat16, FP8 e4m3 with block scales or 4-bit integers
+// with group scales, converted block by block as they are packed (or, for a
+// few rows, in registers as they are streamed), never as a whole tensor.
 //
 // Why not LibTorch's mm: on CPUs without AVX-512 BF16 the wheel's bfloat16
 // GEMM has no fast kernel (about 50x slower than its float32 one), it has no
@@ -16,7 +17,10 @@
 //   * One call runs on the calling thread. The expert layer parallelises over
 //     (expert, row block) itself, so that skewed routing keeps every core busy.
 //
-// Numerics: products accumulate in float32. On avx512_bf16 and amx_bf16,
+// Numerics: products accumulate in float32. An int4 element is worth
+// bfloat16((q - z) x scale) on every instruction set -- the value its
+// checkpoint's own decompression gives -- so an int4 weight multiplies as
+// its bfloat16 dequantization everywhere, bit for bit. On avx512_bf16 and amx_bf16,
 // when B is bfloat16 or FP8, FP8 x scale is rounded to bfloat16 as it is
 // packed (and as it is streamed for a few rows), so an FP8 weight multiplies
 // exactly as its bfloat16 dequantization; where they multiply bfloat16 pairs
@@ -38,7 +42,12 @@ enum class ElemType : uint8_t {
   kF32,     // float
   kBF16,    // bfloat16, as uint16_t bits
   kF8E4M3,  // float8_e4m3fn, as uint8_t bits (no infinities; 0x7f/0xff are NaN)
+  kI4,      // signed 4-bit integers with group scales, two per byte (see Operand)
 };
+
+// Whether an element type is only ever a weight (B): FP8 and int4 operands
+// need their scales per element and are never activations.
+constexpr bool WeightOnly(ElemType t) { return t == ElemType::kF8E4M3 || t == ElemType::kI4; }
 
 // Read-only 2-D operand: element (i, j) is data[i * row_stride + j * col_stride]
 // (in elements of `type`). FP8 operands carry float32 block scales: element
@@ -54,6 +63,20 @@ enum class ElemType : uint8_t {
 // the calling thread, so the products are the bits of the same rows stored
 // one after another. float32 and bfloat16 operands only (FP8 scales follow
 // the stored rows' blocks), and not in a PackedB.
+//
+// int4 operands (compressed-tensors' pack-quantized weights, as Kimi-K2-
+// Thinking stores its routed experts): strides and offsets count 4-bit
+// elements (nibbles), two per byte, the low nibble first, so element (i, j)
+// is nibble i * row_stride + j * col_stride of `data`. A nibble holds u = q + 8
+// for q in [-8, 7]. Elements come in groups of group_rows x group_cols (one
+// row and G consecutive inputs of a weight [out, in]: 1 x G read as W, G x 1
+// read as Wᵀ), group (i / group_rows, j / group_cols) at g = (i / group_rows)
+// * scale_row_stride + (j / group_cols) * scale_col_stride, with a bfloat16
+// scale group_scales[g] and, for asymmetric schemes, a zero point
+// zero_points[g] (0 where zero_points is null). The element stands for
+// bfloat16((q - z) x scale), rounded once: what the checkpoint's library
+// dequantizes it to. The strides and a group's extent along the nibbles'
+// dimension are even, so each group's elements start on a byte.
 struct Operand {
   const void* data = nullptr;
   ElemType type = ElemType::kF32;
@@ -63,6 +86,11 @@ struct Operand {
   int64_t scale_row_stride = 0;
   int64_t scale_col_stride = 0;
   const int64_t* row_index = nullptr;
+  // int4 only.
+  const uint16_t* group_scales = nullptr;
+  const int8_t* zero_points = nullptr;
+  int64_t group_rows = 1;
+  int64_t group_cols = 1;
 };
 
 inline constexpr int64_t kScaleBlock = 128;
@@ -121,7 +149,8 @@ struct PackedKernels;
 // its one byte per element (when n is a multiple of 32 and k_size even),
 // in the panels' order: each k block's panels are converted to bfloat16
 // pairs as a GEMM reads them, a contiguous pass through the kept bytes
-// instead of a pack from the weight's own layout.
+// instead of a pack from the weight's own layout. An int4 weight's pack is
+// its bfloat16 dequantization's (the same panels, the same size).
 class PackedB {
  public:
   PackedB() = default;
@@ -169,7 +198,8 @@ void Gemm(Isa isa, int64_t m, const Operand& a, const PackedB& b, const Output& 
 
 // The same for columns [col0, col0 + num_cols) of B only (c points at the
 // output of column col0): the bits of those columns of the whole product.
-// With FP8 B, col0 is a multiple of kScaleBlock.
+// With FP8 B, col0 is a multiple of kScaleBlock; with int4 B, of its groups'
+// columns (group_cols) and even.
 void GemmColumns(Isa isa, int64_t m, const Operand& a, const PackedB& b, int64_t col0,
                  int64_t num_cols, const Output& c, bool accumulate, RowPath path = RowPath::kAuto);
 

@@ -439,7 +439,7 @@ bool StreamFp8ByTables(int64_t m, int64_t n, int64_t k_size, const Operand& a, c
   const Spread spread = MakeSpread();
   tables.Make(b, k_size, n);
   DispatchType(a.type, [&]<ElemType TA>() {
-    if constexpr (TA != ElemType::kF8E4M3) {
+    if constexpr (!WeightOnly(TA)) {
       if (b.row_stride == 1) {
         DispatchRows<kFp8TableMaxRows>(m, [&]<int kM>() {
           KContiguous<kM, TA>(n, k_size, a, b, c, accumulate, tables, spread);

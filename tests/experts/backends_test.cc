@@ -15,6 +15,7 @@
 
 #include "experts/expert_function.h"
 #include "experts/expert_problem.h"
+#include "experts/int4.h"
 #include "experts/kernels/gemm.h"
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/isa.h"
@@ -707,12 +708,16 @@ TEST(GroupedKernels, FusedSwiGluMatchesTheScalarTwin) {
     kernels::LimitIsa(isa);
     const bool exact = isa == Isa::kPortable;
     for (const ExpertProblemShape& shape : shapes) {
-      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn}) {
-        const bool fp8 = dtype == at::kFloat8_e4m3fn;
+      // kByte: int4 weights.
+      for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kFloat8_e4m3fn, at::kByte}) {
+        const bool int4 = dtype == at::kByte;
+        const bool fp8 = dtype == at::kFloat8_e4m3fn || int4;  // frozen, bfloat16 activations
         const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name + " " +
-                                 std::string(c10::toString(dtype));
+                                 std::string(int4 ? "int4" : c10::toString(dtype));
         ExpertProblem p = MakeExpertProblem(shape, fp8 ? at::kBFloat16 : dtype, 31);
-        const ExpertWeights w = fp8 ? QuantizeFp8(p) : Weights(p);
+        const ExpertWeights w = int4  ? QuantizeInt4Experts(p, 32)
+                                : fp8 ? QuantizeFp8(p)
+                                      : Weights(p);
         const double tol = exact ? 0.0 : (dtype == at::kFloat ? 1e-5 : 1e-2);
         auto fused = CreateExpertBackend("grouped", {.num_threads = 2});
         auto twin = CreateExpertBackend("grouped", {.num_threads = 2, .fused_swiglu = false});
@@ -865,6 +870,142 @@ TEST(GroupedKernels, Fp8WeightsGiveTheBitsOfTheirBfloat16Dequantization) {
   kernels::LimitIsa(kernels::DetectIsa());
 }
 
+// Frozen int4 weights (compressed-tensors' groups, symmetric and with zero
+// points, groups of 32 and 128) on every instruction set this CPU can run,
+// the wider ones held down: forward and dX, with and without LoRA adapters
+// (whose gradients are checked too), against eager, which dequantizes each
+// expert's weights whole. Shapes with a partial last group and rows not
+// filling whole 32-bit words (H 70, I 45), experts with no rows, one row and
+// many.
+TEST(GroupedKernels, Int4FrozenWeightsMatchEager) {
+  const ExpertProblemShape shapes[] = {
+      {"tails", 60, 70, 45, 5, 2, RoutingPattern::kSkewed},
+      {"some_empty", 50, 16, 8, 7, 3, RoutingPattern::kSomeEmpty},
+      {"one_row", 1, 64, 40, 3, 1, RoutingPattern::kUniform},
+      {"groups_128", 40, 300, 260, 4, 2, RoutingPattern::kSkewed},
+  };
+  for (const kernels::Isa isa : kernels::kAllIsas) {
+    if (isa > kernels::DetectIsa()) continue;
+    kernels::LimitIsa(isa);
+    const bool rounds = kernels::MultipliesInBf16(isa);
+    for (const ExpertProblemShape& shape : shapes) {
+      const int64_t group = shape.hidden >= 256 ? 128 : 32;
+      for (const bool symmetric : {true, false}) {
+        for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+          for (bool with_lora : {false, true}) {
+            const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name +
+                                     (symmetric ? " symmetric" : " zero points") +
+                                     (dtype == at::kFloat ? " f32" : " bf16") +
+                                     (with_lora ? " lora" : "");
+            ExpertProblem p = MakeExpertProblem(shape, dtype, 15);
+            ExpertWeights w = QuantizeInt4Experts(p, group, symmetric);
+            if (with_lora) w.lora = MakeExpertLora(shape, {.rank = 3}, at::kFloat, 16);
+            auto ref = Backend("eager");
+            auto fast = Backend("grouped");
+            at::Tensor act_ref, act_fast;
+            const at::Tensor y_ref = ref->Forward(p.x, p.counts, w, &act_ref);
+            const at::Tensor y_fast = fast->Forward(p.x, p.counts, w, &act_fast);
+            // The weights' values are bfloat16 on every set; float32
+            // activations are rounded to bfloat16 only where the kernels
+            // multiply bfloat16 pairs.
+            const double tol = dtype == at::kBFloat16 ? 3e-2 : rounds ? 2e-2 : 1e-5;
+            EXPECT_LT(RelErr(y_fast, y_ref), tol) << what;
+            const BackwardOptions frozen{.base_weight_grads = false};
+            const ExpertGrads g_ref = ref->Backward(p.grad_y, p.x, p.counts, w, act_ref, frozen);
+            const ExpertGrads g_fast = fast->Backward(p.grad_y, p.x, p.counts, w, act_fast, frozen);
+            EXPECT_LT(RelErr(g_fast.x, g_ref.x), tol) << what;
+            EXPECT_FALSE(g_fast.gate_up_proj.defined());
+            if (with_lora) ExpectLoraGradsNear(g_fast, g_ref, tol, what);
+            // The base gradients of frozen int4 weights are refused.
+            EXPECT_THROW(fast->Backward(p.grad_y, p.x, p.counts, w, act_fast, {}), c10::Error);
+          }
+        }
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// On every instruction set, frozen int4 weights give the bits of their
+// bfloat16 dequantization through the whole layer: forward, activations, dX
+// and the LoRA gradients, float32 and bfloat16 activations, with experts of
+// a few rows (streamed), of many (blocked, kept packs from the second call),
+// and of none.
+TEST(GroupedKernels, Int4WeightsGiveTheBitsOfTheirBfloat16Dequantization) {
+  const ExpertProblemShape shape{"mixed", 80, 256, 192, 6, 2, RoutingPattern::kSkewed};
+  for (const kernels::Isa isa : kernels::kAllIsas) {
+    if (isa > kernels::DetectIsa()) continue;
+    kernels::LimitIsa(isa);
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (const bool with_lora : {false, true}) {
+        const std::string what = std::string(kernels::IsaName(isa)) +
+                                 (dtype == at::kFloat ? " f32" : " bf16") +
+                                 (with_lora ? " lora" : " base");
+        ExpertProblem p = MakeExpertProblem(shape, dtype, 19);
+        ExpertWeights int4 = QuantizeInt4Experts(p, 32, /*symmetric=*/false);
+        ExpertWeights bf16;
+        bf16.gate_up_proj = DequantizeInt4(
+            {int4.gate_up_proj, int4.gate_up_scale, int4.gate_up_zero_point}, 32, shape.hidden);
+        bf16.down_proj = DequantizeInt4({int4.down_proj, int4.down_scale, int4.down_zero_point}, 32,
+                                        shape.intermediate);
+        if (with_lora) int4.lora = bf16.lora = MakeExpertLora(shape, {.rank = 4}, at::kFloat, 20);
+        auto a = Backend("grouped");
+        auto b = Backend("grouped");
+        for (int call = 0; call < 2; ++call) {
+          at::Tensor act_a, act_b;
+          const at::Tensor ya = a->Forward(p.x, p.counts, int4, &act_a);
+          const at::Tensor yb = b->Forward(p.x, p.counts, bf16, &act_b);
+          EXPECT_TRUE(at::equal(act_a, act_b)) << what << " call " << call;
+          EXPECT_TRUE(at::equal(ya, yb)) << what << " call " << call;
+          const BackwardOptions frozen{.base_weight_grads = false};
+          const ExpertGrads ga = a->Backward(p.grad_y, p.x, p.counts, int4, act_a, frozen);
+          const ExpertGrads gb = b->Backward(p.grad_y, p.x, p.counts, bf16, act_b, frozen);
+          EXPECT_TRUE(at::equal(ga.x, gb.x)) << what << " call " << call;
+          if (with_lora) {
+            EXPECT_TRUE(at::equal(ga.gate_up_a, gb.gate_up_a)) << what;
+            EXPECT_TRUE(at::equal(ga.gate_up_b, gb.gate_up_b)) << what;
+            EXPECT_TRUE(at::equal(ga.down_a, gb.down_a)) << what;
+            EXPECT_TRUE(at::equal(ga.down_b, gb.down_b)) << what;
+          }
+        }
+        EXPECT_GT(a->kept_pack_bytes(), 0) << what;
+      }
+    }
+  }
+  kernels::LimitIsa(kernels::DetectIsa());
+}
+
+// The quantizer and the reference dequantization: every element within half
+// a step of its weight (symmetric: scale / 2; zero points: the same, inside
+// the range), each row padded to whole 32-bit words with zero nibbles, the
+// two nibbles of a byte in element order, and an all-zero group scaled 1.
+TEST(Int4, QuantizeThenDequantizeStaysWithinHalfAStep) {
+  at::manual_seed(3);
+  const int64_t rows = 5, cols = 70, group = 32;
+  at::Tensor w = at::randn({2, rows, cols});
+  w[1][2].narrow(0, 32, 32).zero_();  // group 1 of row 2 of expert 1
+  for (const bool symmetric : {true, false}) {
+    const Int4Weight q = QuantizeInt4(w, group, symmetric);
+    ASSERT_EQ(q.bytes.sizes(), at::IntArrayRef({2, rows, Int4RowBytes(cols)}));
+    ASSERT_EQ(q.scale.sizes(), at::IntArrayRef({2, rows, 3}));
+    EXPECT_EQ(q.zero_point.defined(), !symmetric);
+    const at::Tensor deq = DequantizeInt4(q, group, cols).to(at::kFloat);
+    const at::Tensor step = q.scale.to(at::kFloat).repeat_interleave(group, -1).narrow(-1, 0, cols);
+    // Half a step, plus the bfloat16 rounding of the dequantized value.
+    const at::Tensor bound = step * 0.5 + deq.abs() * std::ldexp(1.0, -8) + 1e-6;
+    EXPECT_TRUE((deq - w).abs().le(bound).all().item<bool>()) << symmetric;
+    EXPECT_EQ(q.scale[1][2][1].item<float>(), 1.0f);
+    // Element 69 is the high nibble of byte 34; byte 35 holds padding only.
+    const at::Tensor flat = q.bytes.reshape({-1, Int4RowBytes(cols)});
+    EXPECT_TRUE(flat.narrow(1, 35, 1).eq(0).all().item<bool>());
+    const int64_t u69 = flat[0][34].item<int64_t>() >> 4;
+    const float want = static_cast<float>(c10::BFloat16(
+        static_cast<float>(u69 - 8 - (symmetric ? 0 : q.zero_point[0][0][2].item<int64_t>())) *
+        q.scale[0][0][2].item<float>()));
+    EXPECT_EQ(deq[0][0][69].item<float>(), want);
+  }
+}
+
 // Stored rows for a problem's A rows read by index: about half as many rows
 // as A, each read up to several times, in shuffled order. Returns the stored
 // rows and the index; stored.index_select(0, index) is the rows copied out.
@@ -906,17 +1047,19 @@ TEST(GroupedKernels, RowsReadByIndexGiveTheBitsOfTheRowsCopiedOut) {
     kernels::LimitIsa(isa);
     for (const ExpertProblemShape& shape : shapes) {
       for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
-        for (int variant = 0; variant < 4; ++variant) {
+        for (int variant = 0; variant < 5; ++variant) {
           // 0: base; 1: LoRA, frozen base, recomputed; 2: LoRA, trained base;
-          // 3: FP8 frozen base with LoRA.
-          if (variant == 3 && dtype == at::kDouble) continue;
-          const bool lora = variant >= 1, frozen = variant == 1 || variant == 3;
+          // 3: FP8 frozen base with LoRA; 4: int4 frozen base with LoRA.
+          if (variant >= 3 && dtype == at::kDouble) continue;
+          const bool lora = variant >= 1, frozen = variant == 1 || variant >= 3;
           const bool recompute = variant == 1;
           const std::string what = std::string(kernels::IsaName(isa)) + " " + shape.name + " " +
                                    std::string(c10::toString(dtype)) + " variant " +
                                    std::to_string(variant);
           ExpertProblem p = MakeExpertProblem(shape, dtype, 21);
-          ExpertWeights w = variant == 3 ? QuantizeFp8(p) : Weights(p);
+          ExpertWeights w = variant == 3   ? QuantizeFp8(p)
+                            : variant == 4 ? QuantizeInt4Experts(p, 32, /*symmetric=*/false)
+                                           : Weights(p);
           if (lora) {
             w.lora = MakeExpertLora(shape, {.rank = 3},
                                     dtype == at::kDouble ? at::kDouble : at::kFloat, 22);
@@ -1007,6 +1150,51 @@ TEST(ExpertFfn, RowsReadByIndexSumTheirGradients) {
   EXPECT_NE(message(index, twice).find("must list each of the"), std::string::npos);
   at::Tensor swapped = copies.flip({0}).contiguous();
   EXPECT_NE(message(index, swapped).find("must list each of the"), std::string::npos);
+}
+
+// int4 weights are frozen: ExpertFfn refuses to train them (through float32
+// masters), and wants their scales (of the right shape and dtype, one per
+// group) and both zero points or neither.
+TEST(ExpertFfnChecks, Int4WeightsAreFrozenAndNeedScales) {
+  const ExpertProblemShape shape{"int4", 4, 40, 24, 2, 1, RoutingPattern::kUniform};
+  ExpertProblem p = MakeExpertProblem(shape, at::kFloat, 1);
+  const ExpertWeights w = QuantizeInt4Experts(p, 8, /*symmetric=*/false);
+  auto backend = Backend("grouped");
+  const at::Tensor y = ExpertFfn(*backend, p.x, p.counts, w);
+  EXPECT_EQ(y.sizes(), p.x.sizes());
+  auto message = [&](const ExpertWeights& bad) -> std::string {
+    try {
+      ExpertFfn(*backend, p.x, p.counts, bad);
+    } catch (const c10::Error& e) {
+      return e.what_without_backtrace();
+    }
+    return "";
+  };
+  ExpertWeights bad = w;
+  bad.down_scale = at::Tensor();
+  EXPECT_NE(message(bad).find("bfloat16 scales"), std::string::npos);
+  bad = w;
+  bad.gate_up_scale = w.gate_up_scale.to(at::kFloat);
+  EXPECT_NE(message(bad).find("bfloat16 scales"), std::string::npos);
+  bad = w;
+  bad.int4_group_size = 16;
+  EXPECT_NE(message(bad).find("bfloat16 scales"), std::string::npos);
+  bad = w;
+  bad.down_zero_point = at::Tensor();
+  EXPECT_NE(message(bad).find("both or neither"), std::string::npos);
+  bad = w;
+  bad.down_proj = w.down_proj.narrow(2, 0, 4).contiguous();
+  EXPECT_NE(message(bad).find("shapes disagree"), std::string::npos);
+  // (uint8 tensors cannot require grad; float32 masters would train them.)
+  ExpertFfnOptions masters;
+  masters.gate_up_master = at::zeros(w.gate_up_proj.sizes()).requires_grad_(true);
+  masters.down_master = at::zeros(w.down_proj.sizes()).requires_grad_(true);
+  try {
+    ExpertFfn(*backend, p.x, p.counts, w, masters);
+    ADD_FAILURE() << "int4 weights with masters were accepted";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("frozen"), std::string::npos);
+  }
 }
 
 // FP8 weights are frozen: ExpertFfn refuses to train them, and wants scales.

@@ -1,7 +1,8 @@
 // moefit's expert GEMM on every instruction set this CPU can run, against a
 // float64 reference over the exact float32 values of its operands: every
 // element type and layout the expert layer uses, odd shapes, accumulation,
-// both output types.
+// both output types. int4 weights, whose elements are bfloat16 values, also
+// against their bfloat16 dequantization, bit for bit.
 #include "experts/kernels/gemm.h"
 
 #include <ATen/ATen.h>
@@ -24,10 +25,12 @@ namespace moefit::experts::kernels {
 namespace {
 
 // Storage for one operand: a [rows, cols] matrix stored row-major or
-// transposed, in `type`, with FP8 block scales.
+// transposed, in `type`, with FP8 block scales, or int4 group scales and
+// zero points.
 struct Stored {
-  at::Tensor data, scales;
+  at::Tensor data, scales, zeros;
   Operand op;
+  int64_t stored_cols = 0;  // int4: the stored matrix's logical columns
 };
 
 at::ScalarType TorchType(ElemType t) {
@@ -38,13 +41,55 @@ at::ScalarType TorchType(ElemType t) {
       return at::kBFloat16;
     case ElemType::kF8E4M3:
       return at::kFloat8_e4m3fn;
+    case ElemType::kI4:
+      return at::kByte;
   }
   return at::kFloat;
+}
+
+// How an int4 operand is grouped: consecutive elements of a stored row per
+// scale, and whether it has zero points (an asymmetric scheme).
+struct Int4Groups {
+  int64_t size = 32;
+  bool zero_points = false;
+};
+
+// An int4 weight W [r, c] as compressed-tensors stores one: each row's c
+// nibbles (random, every value) packed little end first into
+// ceil(c / 8) int32 words (their bytes here), a bfloat16 scale per group of
+// `groups.size` columns of a row (the last group may be partial), and int8
+// zero points in [-8, 7] when asymmetric. transposed: read as Wᵀ.
+Stored MakeInt4Operand(int64_t rows, int64_t cols, bool transposed, Int4Groups groups,
+                       uint64_t seed) {
+  at::manual_seed(seed);
+  const int64_t r = transposed ? cols : rows, c = transposed ? rows : cols;
+  const int64_t padded = (c + 7) / 8 * 8, num_groups = (c + groups.size - 1) / groups.size;
+  Stored s;
+  at::Tensor nibbles = at::randint(16, {r, padded}, at::kByte);
+  nibbles.narrow(1, c, padded - c).zero_();
+  s.data = nibbles.slice(1, 0, padded, 2)
+               .bitwise_or(nibbles.slice(1, 1, padded, 2).bitwise_left_shift(4))
+               .contiguous();
+  s.scales = (at::rand({r, num_groups}).add_(0.5).div_(64)).to(at::kBFloat16).contiguous();
+  if (groups.zero_points) s.zeros = at::randint(-8, 8, {r, num_groups}, at::kChar);
+  s.stored_cols = c;
+  s.op.data = s.data.data_ptr();
+  s.op.type = ElemType::kI4;
+  s.op.row_stride = transposed ? 1 : padded;
+  s.op.col_stride = transposed ? padded : 1;
+  s.op.group_scales = reinterpret_cast<const uint16_t*>(s.scales.data_ptr());
+  s.op.zero_points = groups.zero_points ? s.zeros.data_ptr<int8_t>() : nullptr;
+  s.op.group_rows = transposed ? groups.size : 1;
+  s.op.group_cols = transposed ? 1 : groups.size;
+  s.op.scale_row_stride = transposed ? 1 : num_groups;
+  s.op.scale_col_stride = transposed ? num_groups : 1;
+  return s;
 }
 
 // transposed: element (i, j) lives at [j, i] of a [cols, rows] tensor, as a
 // packed weight [N, K] is read as B = Wᵀ.
 Stored MakeOperand(int64_t rows, int64_t cols, ElemType type, bool transposed, uint64_t seed) {
+  if (type == ElemType::kI4) return MakeInt4Operand(rows, cols, transposed, {}, seed);
   at::manual_seed(seed);
   Stored s;
   at::Tensor values = transposed ? at::randn({cols, rows}) : at::randn({rows, cols});
@@ -73,7 +118,34 @@ struct Dequantized {
   Operand op;
 };
 
+// An int4 operand's, the way compressed-tensors decompresses it: the nibbles
+// unpacked, less 8 and the zero point, times the scale in bfloat16.
+Dequantized Int4Bf16Dequantization(const Stored& w) {
+  const int64_t r = w.data.size(0), c = w.stored_cols;
+  const int64_t group = w.op.group_rows * w.op.group_cols;  // one of them is 1
+  const at::Tensor bytes = w.data.to(at::kInt);
+  const at::Tensor q = at::stack({bytes.bitwise_and(15), bytes.bitwise_right_shift(4)}, 2)
+                           .reshape({r, -1})
+                           .narrow(1, 0, c)
+                           .sub(8);
+  auto per_column = [&](const at::Tensor& t) {
+    return t.repeat_interleave(group, 1).narrow(1, 0, c);
+  };
+  at::Tensor value = q.to(at::kBFloat16);
+  if (w.zeros.defined()) value = value - per_column(w.zeros).to(at::kBFloat16);
+  Dequantized d{(value * per_column(w.scales)).contiguous(), w.op};
+  const bool transposed = w.op.row_stride == 1;
+  d.op.type = ElemType::kBF16;
+  d.op.data = d.values.data_ptr();
+  d.op.row_stride = transposed ? 1 : c;
+  d.op.col_stride = transposed ? c : 1;
+  d.op.group_scales = nullptr;
+  d.op.zero_points = nullptr;
+  return d;
+}
+
 Dequantized Bf16Dequantization(const Stored& w) {
+  if (w.op.type == ElemType::kI4) return Int4Bf16Dequantization(w);
   const at::Tensor full = w.scales.repeat_interleave(kScaleBlock, 0)
                               .repeat_interleave(kScaleBlock, 1)
                               .narrow(0, 0, w.data.size(0))
@@ -95,7 +167,10 @@ struct Case {
 
 std::string Describe(Isa isa, const Case& c) {
   auto t = [](ElemType e) {
-    return e == ElemType::kF32 ? "f32" : e == ElemType::kBF16 ? "bf16" : "f8";
+    return e == ElemType::kF32    ? "f32"
+           : e == ElemType::kBF16 ? "bf16"
+           : e == ElemType::kI4   ? "i4"
+                                  : "f8";
   };
   return std::string(IsaName(isa)) + " m" + std::to_string(c.m) + " n" + std::to_string(c.n) +
          " k" + std::to_string(c.k) + " A " + t(c.a_type) + (c.a_transposed ? "ᵀ" : "") + " B " +
@@ -117,7 +192,9 @@ void Check(Isa isa, const Case& c, uint64_t seed) {
 
   const bool rounds_operands =
       MultipliesInBf16(isa) && (c.a_type != ElemType::kF32 || c.b_type != ElemType::kF32);
-  const bool exact_bf16 = c.a_type == ElemType::kBF16 && c.b_type == ElemType::kBF16;
+  // int4 elements are bfloat16 values: only A is rounded.
+  const bool exact_bf16 =
+      c.a_type == ElemType::kBF16 && (c.b_type == ElemType::kBF16 || c.b_type == ElemType::kI4);
   const double operand_rel = rounds_operands && !exact_bf16 ? 2.0 * std::ldexp(1.0, -8) : 0.0;
   const double out_rel = c.out_type == ElemType::kBF16 ? std::ldexp(1.0, -8) : 0.0;
   std::vector<double> av(c.m * c.k), bv(c.k * c.n);
@@ -177,7 +254,7 @@ class GemmOnIsa : public ::testing::TestWithParam<Form> {
 // Every operand type and layout of the expert layer, at shapes that are not
 // multiples of any panel or block size.
 TEST_P(GemmOnIsa, MatchesFloat64ReferenceOnOddShapes) {
-  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3};
+  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3, ElemType::kI4};
   uint64_t seed = 1;
   for (ElemType bt : types) {
     for (ElemType at_ : {ElemType::kF32, ElemType::kBF16}) {
@@ -216,6 +293,12 @@ TEST_P(GemmOnIsa, BlockBoundariesAndTails) {
       // A bfloat16 output taller than one buffered chunk of rows (256).
       {300, 40, 70, ElemType::kBF16, ElemType::kF8E4M3, false, true, ElemType::kBF16, true},
       {520, 17, 33, ElemType::kF8E4M3, ElemType::kF32, false, false, ElemType::kBF16, false},
+      // int4 weights: several k blocks, group tails, a few rows streamed.
+      {97, 129, 1030, ElemType::kF32, ElemType::kI4, false, true, ElemType::kF32, true},
+      {130, 70, 257, ElemType::kBF16, ElemType::kI4, false, false, ElemType::kBF16, false},
+      {3, 200, 300, ElemType::kBF16, ElemType::kI4, false, false, ElemType::kBF16, true},
+      {4, 70, 263, ElemType::kF32, ElemType::kI4, false, true, ElemType::kF32, false},
+      {300, 40, 70, ElemType::kBF16, ElemType::kI4, false, true, ElemType::kBF16, true},
   };
   uint64_t seed = 100;
   for (const Case& c : cases) Check(isa(), c, seed++);
@@ -268,6 +351,10 @@ TEST_P(GemmOnIsa, PackedBGivesTheBitsOfPackingPerCall) {
        RowPath::kBlocked},
       {3, 64, 256, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, true,
        RowPath::kBlocked},
+      {130, 96, 1030, ElemType::kF32, ElemType::kI4, true, ElemType::kF32, false,
+       RowPath::kBlocked},
+      {9, 45, 300, ElemType::kBF16, ElemType::kI4, false, ElemType::kBF16, true, RowPath::kBlocked},
+      {5, 64, 129, ElemType::kF32, ElemType::kI4, true, ElemType::kF32, false, RowPath::kStreamed},
   };
   uint64_t seed = 300;
   for (const PackCase& c : cases) {
@@ -320,6 +407,8 @@ TEST_P(GemmOnIsa, FewRowsGiveTheBitsOfTallerCalls) {
       {1030, 600, ElemType::kF32, ElemType::kBF16, false, ElemType::kF32, true},
       {640, 1030, ElemType::kF32, ElemType::kF8E4M3, true, ElemType::kF32, false},
       {300, 1030, ElemType::kBF16, ElemType::kF8E4M3, false, ElemType::kBF16, true},
+      {640, 1030, ElemType::kF32, ElemType::kI4, true, ElemType::kF32, false},
+      {300, 1030, ElemType::kBF16, ElemType::kI4, false, ElemType::kBF16, true},
   };
   constexpr int64_t kTall = 80;
   uint64_t seed = 900;
@@ -381,7 +470,8 @@ TEST_P(GemmOnIsa, PackedBServesTallBfloat16Outputs) {
   // Columns [c0, n) alone too: a whole FP8 scale block in, a panel wide.
   const int64_t m = 513, k = 70, n = 160, c0 = 128;
   uint64_t seed = 500;
-  for (const ElemType b_type : {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3}) {
+  for (const ElemType b_type :
+       {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3, ElemType::kI4}) {
     for (const bool accumulate : {false, true}) {
       SCOPED_TRACE(Describe(
           isa(), {m, n, k, ElemType::kBF16, b_type, false, true, ElemType::kBF16, accumulate}));
@@ -394,8 +484,11 @@ TEST_P(GemmOnIsa, PackedBServesTallBfloat16Outputs) {
            RowPath::kBlocked);
       Operand cols = b.op;
       cols.data = static_cast<const char*>(b.op.data) +
-                  c0 * b.op.col_stride * static_cast<int64_t>(b.data.element_size());
+                  (b_type == ElemType::kI4
+                       ? c0 * b.op.col_stride / 2
+                       : c0 * b.op.col_stride * static_cast<int64_t>(b.data.element_size()));
       if (b_type == ElemType::kF8E4M3) cols.scales += (c0 / kScaleBlock) * b.op.scale_col_stride;
+      if (b_type == ElemType::kI4) cols.group_scales += c0 * b.op.scale_col_stride;
       Gemm(isa(), m, n - c0, k, a.op, cols,
            Output{static_cast<uint16_t*>(want_cols.data_ptr()) + c0, ElemType::kBF16, n},
            accumulate, RowPath::kBlocked);
@@ -498,14 +591,16 @@ TEST_P(GemmOnIsa, RowIndexGivesTheBitsOfTheRowsCopiedOut) {
     EXPECT_TRUE(at::equal(got, want));
     EXPECT_EQ(ElementValue(indexed, rows - 1, cols - 1), ElementValue(plain, rows - 1, cols - 1));
   }
-  // FP8 operands and packs refuse an index.
-  Stored fp8 = MakeOperand(4, 8, ElemType::kF8E4M3, false, seed++);
+  // FP8 and int4 operands and packs refuse an index.
   Stored a = MakeOperand(4, 4, ElemType::kF32, false, seed++);
   const int64_t index[4] = {0, 1, 2, 3};
-  fp8.op.row_index = index;
   at::Tensor out = at::zeros({4, 8});
-  EXPECT_THROW(Gemm(isa(), 4, 8, 4, a.op, fp8.op, Output{out.data_ptr(), ElemType::kF32, 8}, false),
-               c10::Error);
+  for (const ElemType weight_only : {ElemType::kF8E4M3, ElemType::kI4}) {
+    Stored w = MakeOperand(4, 8, weight_only, false, seed++);
+    w.op.row_index = index;
+    EXPECT_THROW(Gemm(isa(), 4, 8, 4, a.op, w.op, Output{out.data_ptr(), ElemType::kF32, 8}, false),
+                 c10::Error);
+  }
   Stored f32 = MakeOperand(4, 8, ElemType::kF32, false, seed++);
   f32.op.row_index = index;
   EXPECT_THROW(PackedB(isa(), ElemType::kF32, 4, 8, f32.op), c10::Error);
@@ -536,6 +631,135 @@ TEST_P(GemmOnIsa, Fp8WeightsMultiplyAsTheirBfloat16Dequantization) {
           EXPECT_TRUE(at::equal(from_fp8, from_bf16));
         } else {
           EXPECT_FALSE(at::equal(from_fp8, from_bf16));  // float32 x scale, unrounded
+        }
+      }
+    }
+  }
+}
+
+// An int4 weight is its bfloat16 dequantization on every instruction set:
+// the same bits as that bfloat16 weight, on the streamed path (up to 8
+// rows) and the blocked one (strips and blocks), read as Wᵀ (forward) and as
+// W (dX), float32 and bfloat16 A and outputs, added to C or not, packed
+// ahead or call by call, and columns from a group on. Groups of 32 and 128,
+// groups that are not whole vectors (8: the scalar paths), partial last
+// groups, rows of a length that is not a multiple of 8, zero points.
+TEST_P(GemmOnIsa, Int4WeightsMultiplyAsTheirBfloat16Dequantization) {
+  struct Int4Case {
+    int64_t n, k;
+    Int4Groups groups;
+  };
+  const Int4Case cases[] = {
+      {160, 256, {32, false}},   // whole groups and panels
+      {300, 260, {128, false}},  // partial last groups both ways
+      {77, 101, {32, true}},     // odd sizes: rows of 101 or 77 nibbles
+      {96, 200, {8, true}},      // groups narrower than a vector
+      {64, 1030, {128, true}},   // several k blocks
+  };
+  uint64_t seed = 40;
+  for (const Int4Case& c : cases) {
+    for (const bool transposed : {true, false}) {
+      const Stored w = MakeInt4Operand(c.k, c.n, transposed, c.groups, seed++);
+      const Dequantized deq = Bf16Dequantization(w);
+      // The kernels' reference value of each element is the library's.
+      for (int64_t kk = 0; kk < c.k; kk += 7) {
+        for (int64_t j = 0; j < c.n; j += 5) {
+          ASSERT_EQ(ElementValue(w.op, kk, j), ElementValue(deq.op, kk, j))
+              << "element (" << kk << ", " << j << ")";
+        }
+      }
+      for (const ElemType a_type : {ElemType::kF32, ElemType::kBF16}) {
+        const PackedB packed_i4(isa(), a_type, c.k, c.n, w.op);
+        const PackedB packed_bf16(isa(), a_type, c.k, c.n, deq.op);
+        EXPECT_EQ(packed_i4.bytes(), packed_bf16.bytes());
+        for (const int64_t m : {1, 3, 8, 9, 33, 100}) {
+          const ElemType out_type = m % 2 == 0 ? ElemType::kBF16 : ElemType::kF32;
+          const bool accumulate = m % 3 == 0;
+          SCOPED_TRACE(::testing::Message()
+                       << "n " << c.n << " k " << c.k << " group " << c.groups.size
+                       << (c.groups.zero_points ? " asymmetric" : "") << " Wᵀ " << transposed
+                       << " A " << (a_type == ElemType::kF32 ? "f32" : "bf16") << " m " << m);
+          Stored a = MakeOperand(m, c.k, a_type, false, seed++);
+          const at::Tensor prior = at::randn({m, c.n}).to(TorchType(out_type));
+          at::Tensor from_i4 = prior.clone(), from_bf16 = prior.clone();
+          at::Tensor kept_i4 = prior.clone(), kept_bf16 = prior.clone();
+          const Output o_i4{from_i4.data_ptr(), out_type, c.n},
+              o_bf16{from_bf16.data_ptr(), out_type, c.n};
+          Gemm(isa(), m, c.n, c.k, a.op, w.op, o_i4, accumulate);
+          Gemm(isa(), m, c.n, c.k, a.op, deq.op, o_bf16, accumulate);
+          EXPECT_TRUE(SameBits(from_i4, from_bf16));
+          Gemm(isa(), m, a.op, packed_i4, Output{kept_i4.data_ptr(), out_type, c.n}, accumulate);
+          Gemm(isa(), m, a.op, packed_bf16, Output{kept_bf16.data_ptr(), out_type, c.n},
+               accumulate);
+          EXPECT_TRUE(SameBits(kept_i4, kept_bf16));
+          EXPECT_TRUE(SameBits(kept_i4, from_bf16));
+          // Columns from the second group (read as W) or panel (Wᵀ) on.
+          const int64_t col0 = transposed ? 32 : c.groups.size;
+          if (col0 < c.n) {
+            at::Tensor part_i4 = at::zeros({m, c.n - col0}).to(TorchType(out_type));
+            at::Tensor part_bf16 = part_i4.clone();
+            GemmColumns(isa(), m, a.op, packed_i4, col0, c.n - col0,
+                        Output{part_i4.data_ptr(), out_type, c.n - col0}, false);
+            GemmColumns(isa(), m, a.op, packed_bf16, col0, c.n - col0,
+                        Output{part_bf16.data_ptr(), out_type, c.n - col0}, false);
+            EXPECT_TRUE(SameBits(part_i4, part_bf16)) << "columns from " << col0;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Every nibble with every zero point and a range of scales decodes as c10's
+// bfloat16 of (q - z) x scale, on each instruction set's kernels (B times
+// rows of an identity A, on the streamed and blocked paths, both layouts).
+TEST(Gemm, KernelsDecodeEveryInt4ValueAsC10) {
+  const int64_t k = 64, n = 256, group = 32;
+  for (const bool transposed : {true, false}) {
+    Stored w = MakeInt4Operand(k, n, transposed, {group, true}, 5);
+    const int64_t stored_cols = w.stored_cols, num_groups = w.scales.size(1);
+    // Stored element (r, c): nibble (r + c) % 16; group (r, g): zero point
+    // (r + g) % 16 - 8 and a scale from 2^-5 to 2^5.
+    auto scale_of = [](int64_t r, int64_t g) {
+      return static_cast<float>(c10::BFloat16(std::ldexp(
+          1.0f + static_cast<float>((r + 3 * g) % 7) / 7.0f, static_cast<int>((r + g) % 11) - 5)));
+    };
+    uint8_t* bytes = w.data.data_ptr<uint8_t>();
+    const int64_t row_bytes = w.data.size(1);
+    for (int64_t r = 0; r < w.data.size(0); ++r) {
+      for (int64_t c = 0; c < stored_cols; ++c) {
+        const uint8_t u = static_cast<uint8_t>((r + c) % 16);
+        uint8_t& byte = bytes[r * row_bytes + c / 2];
+        byte = static_cast<uint8_t>(c % 2 == 0 ? (byte & 0xf0) | u : (byte & 0x0f) | (u << 4));
+      }
+      for (int64_t g = 0; g < num_groups; ++g) {
+        w.zeros[r][g] = static_cast<int8_t>((r + g) % 16 - 8);
+        w.scales[r][g] = scale_of(r, g);
+      }
+    }
+    at::Tensor values = at::empty({k, n});
+    for (int64_t kk = 0; kk < k; ++kk) {
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t r = transposed ? j : kk, c = transposed ? kk : j, g = c / group;
+        const int q = static_cast<int>((r + c) % 16) - 8, z = static_cast<int>((r + g) % 16) - 8;
+        const float want =
+            static_cast<float>(c10::BFloat16(static_cast<float>(q - z) * scale_of(r, g)));
+        values[kk][j] = want;
+        ASSERT_EQ(ElementValue(w.op, kk, j), want) << kk << ", " << j;
+      }
+    }
+    for (Isa isa : kAllIsas) {
+      if (static_cast<int>(isa) > static_cast<int>(DetectIsa())) continue;
+      for (const int64_t m : {1, 8, 32, 40}) {
+        // Row i of the identity picks row i % k of B.
+        at::Tensor a = at::zeros({m, k});
+        for (int64_t i = 0; i < m; ++i) a[i][i % k] = 1.0f;
+        const Operand a_op{a.data_ptr(), ElemType::kF32, k, 1};
+        at::Tensor out = at::empty({m, n});
+        Gemm(isa, m, n, k, a_op, w.op, Output{out.data_ptr(), ElemType::kF32, n}, false);
+        for (int64_t i = 0; i < m; ++i) {
+          EXPECT_TRUE(at::equal(out[i], values[i % k]))
+              << IsaName(isa) << " m " << m << " row " << i << (transposed ? " Wᵀ" : " W");
         }
       }
     }

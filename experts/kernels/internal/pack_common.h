@@ -58,8 +58,11 @@ inline float F8ToF32(uint8_t b) {
   return (b & 0x80u) ? -v : v;
 }
 
+// The value of element `idx` of `data` for the types whose elements stand
+// alone (int4 elements need their group: I4Value).
 template <ElemType T>
 inline float LoadAs(const void* data, int64_t idx) {
+  static_assert(T != ElemType::kI4, "an int4 element's value needs its group: I4Value");
   if constexpr (T == ElemType::kF32) {
     return static_cast<const float*>(data)[idx];
   } else if constexpr (T == ElemType::kBF16) {
@@ -67,6 +70,33 @@ inline float LoadAs(const void* data, int64_t idx) {
   } else {
     return F8ToF32(static_cast<const uint8_t*>(data)[idx]);
   }
+}
+
+// Where int4 element (i, j)'s group scale and zero point are (gemm.h's Operand).
+inline int64_t I4Group(const Operand& op, int64_t i, int64_t j) {
+  return (i / op.group_rows) * op.scale_row_stride + (j / op.group_cols) * op.scale_col_stride;
+}
+
+// An int4 group's scale (widened from bfloat16) and zero point.
+struct I4Params {
+  float scale;
+  int zero;
+};
+inline I4Params I4ParamsAt(const Operand& op, int64_t g) {
+  return {Bf16ToF32(op.group_scales[g]), op.zero_points != nullptr ? op.zero_points[g] : 0};
+}
+
+// bfloat16((q - z) x scale) as float32 for the nibble u = q + 8: exact in
+// float32 before the one rounding (|q - z| < 2^5, the scale has 8 significant
+// bits).
+inline float I4Dequantize(uint32_t u, I4Params p) {
+  return Bf16ToF32(F32ToBf16(static_cast<float>(static_cast<int>(u) - 8 - p.zero) * p.scale));
+}
+
+inline float I4Value(const Operand& op, int64_t i, int64_t j) {
+  const int64_t idx = i * op.row_stride + j * op.col_stride;
+  const uint32_t byte = static_cast<const uint8_t*>(op.data)[idx >> 1];
+  return I4Dequantize((byte >> ((idx & 1) * 4)) & 0xfu, I4ParamsAt(op, I4Group(op, i, j)));
 }
 
 template <ElemType T>
@@ -81,9 +111,13 @@ inline float Scale(const Operand& op, int64_t i, int64_t j) {
 
 template <ElemType T>
 inline float ValueAs(const Operand& op, int64_t i, int64_t j) {
-  const float v = LoadAs<T>(op.data, i * op.row_stride + j * op.col_stride);
-  if constexpr (T == ElemType::kF8E4M3) return v * Scale<T>(op, i, j);
-  return v;
+  if constexpr (T == ElemType::kI4) {
+    return I4Value(op, i, j);
+  } else {
+    const float v = LoadAs<T>(op.data, i * op.row_stride + j * op.col_stride);
+    if constexpr (T == ElemType::kF8E4M3) return v * Scale<T>(op, i, j);
+    return v;
+  }
 }
 
 // Calls fn.template operator()<T>() for the operand's element type.
@@ -99,6 +133,9 @@ inline void DispatchType(ElemType t, const Fn& fn) {
     case ElemType::kF8E4M3:
       fn.template operator()<ElemType::kF8E4M3>();
       break;
+    case ElemType::kI4:
+      fn.template operator()<ElemType::kI4>();
+      break;
   }
 }
 
@@ -109,11 +146,11 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
                   void* out) {
   const int64_t panels = (m_size + kMr - 1) / kMr;
   const int64_t kp = (k_size + 1) / 2;
-  if (a.col_stride == 1 && a.type != ElemType::kF8E4M3) {
+  if (a.col_stride == 1 && !WeightOnly(a.type)) {
     // Rows contiguous along k (activations, row-major): typed loops, one row
     // at a time, with no per-element index arithmetic or scales.
     DispatchType(a.type, [&]<ElemType T>() {
-      if constexpr (T != ElemType::kF8E4M3) {
+      if constexpr (!WeightOnly(T)) {
         for (int64_t p = 0; p < panels; ++p) {
           for (int r = 0; r < kMr; ++r) {
             const int64_t row = p * kMr + r;
@@ -148,12 +185,12 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
     });
     return;
   }
-  if (a.row_stride == 1 && a.type != ElemType::kF8E4M3) {
+  if (a.row_stride == 1 && !WeightOnly(a.type)) {
     // Columns contiguous along the rows (a transposed activation: dY or
     // d(gate|up) read as A of a weight gradient): each k gives a panel's rows
     // in a run.
     DispatchType(a.type, [&]<ElemType T>() {
-      if constexpr (T != ElemType::kF8E4M3) {
+      if constexpr (!WeightOnly(T)) {
         for (int64_t p = 0; p < panels; ++p) {
           const int64_t rows = MinI(kMr, m_size - p * kMr);
           auto at = [&](int64_t k, int r) {
@@ -207,7 +244,8 @@ void PackAGeneric(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int6
 
 // Generic B packing: k [k0, k0 + k_size) x columns [n0, n0 + n_size) into
 // panels of kNr columns. Float32 panels with kRoundFp8 hold FP8 x scale
-// rounded to bfloat16 (as pairs panels hold every element).
+// rounded to bfloat16 (as pairs panels hold every element); int4 elements
+// are bfloat16 values everywhere.
 template <int kNr, bool kPairs, bool kRoundFp8 = false>
 void PackBGeneric(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size,
                   void* out) {

@@ -20,6 +20,17 @@ inline __m256i LoadBf16(const void* data, int64_t idx, float s) {
   }
 }
 
+// The same for the 16 elements of B at `idx`, B(k, j) the first of them, in
+// its scale block or int4 group (whose values are bfloat16 already).
+template <ElemType T>
+inline __m256i LoadBf16(const Operand& b, int64_t idx, int64_t k, int64_t j) {
+  if constexpr (T == ElemType::kI4) {
+    return (__m256i)_mm512_cvtneps_pbh(LoadWeightF<T, false>(b, idx, k, j));
+  } else {
+    return LoadBf16<T>(b.data, idx, Scale<T>(b, k, j));
+  }
+}
+
 // bfloat16-pair B panels of kNr columns, vectorised for the n-contiguous
 // layout (two rows interleaved) and the k-contiguous one (a column's pairs
 // are consecutive 32-bit words: 16 x 16 word transposes); an FP8 B's whole
@@ -51,7 +62,7 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
       const int64_t k_start = p < table_panels ? table_k : 0;
       uint32_t* o = static_cast<uint32_t*>(out) + p * kp_padded * kNr;
       std::memset(o + kp * kNr, 0, (kp_padded - kp) * kNr * sizeof(uint32_t));
-      if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1)) {
+      if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1) || !VectorsFitGroups(b)) {
         PackBGeneric<kNr, true>(b, k0, k_size, col0, cols, o);
         continue;
       }
@@ -59,10 +70,9 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
         int64_t q = k_start / 2;
         for (; 2 * q + 1 < k_size; ++q) {
           const int64_t k = k0 + 2 * q;
-          const float s0 = Scale<T>(b, k, col0), s1 = Scale<T>(b, k + 1, col0);
           for (int v = 0; v < kNr; v += 16) {
-            const __m256i lo = LoadBf16<T>(b.data, k * b.row_stride + col0 + v, s0);
-            const __m256i hi = LoadBf16<T>(b.data, (k + 1) * b.row_stride + col0 + v, s1);
+            const __m256i lo = LoadBf16<T>(b, k * b.row_stride + col0 + v, k, col0 + v);
+            const __m256i hi = LoadBf16<T>(b, (k + 1) * b.row_stride + col0 + v, k + 1, col0 + v);
             const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
             _mm512_storeu_si512(o + q * kNr + v, _mm512_permutexvar_epi16(interleave, both));
           }
@@ -70,17 +80,16 @@ void PackBPairs(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_
         if (q < kp) PackBGeneric<kNr, true>(b, k0 + 2 * q, k_size - 2 * q, col0, kNr, o + q * kNr);
         continue;
       }
-      // k-contiguous: chunks of 32 k-values (16 pairs), each inside one
-      // 128-row scale block.
+      // k-contiguous: chunks of 32 k-values (16 pairs), each half inside
+      // one 128-row scale block (or int4 group).
       int64_t k = k_start;
       for (; k + 32 <= k_size; k += 32) {
         for (int v = 0; v < kNr; v += 16) {
-          const float s = Scale<T>(b, k0 + k, col0 + v);
           VecF r[16];
           for (int j = 0; j < 16; ++j) {
             const int64_t base = (col0 + v + j) * b.col_stride + k0 + k;
-            const __m256i lo = LoadBf16<T>(b.data, base, s);
-            const __m256i hi = LoadBf16<T>(b.data, base + 16, s);
+            const __m256i lo = LoadBf16<T>(b, base, k0 + k, col0 + v + j);
+            const __m256i hi = LoadBf16<T>(b, base + 16, k0 + k + 16, col0 + v + j);
             r[j] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
           }
           Transpose(r);

@@ -9,7 +9,10 @@
 //     panel row is VL-wide vector loads, converted, stored;
 //   k-contiguous (row_stride 1: W read as Wᵀ, the forward GEMMs): VL columns
 //     x VL k-values are loaded, converted and transposed in registers.
-// Anything else (tails, other strides) takes the generic path.
+// Anything else (tails, other strides) takes the generic path. An int4
+// weight's elements are unpacked and scaled in registers, a vector at a time
+// from one group (LoadI4), into the same panels its bfloat16 dequantization
+// would give.
 #pragma once
 
 #include <cmath>
@@ -70,9 +73,26 @@ inline VecF LoadF8(const void* data, int64_t idx, float factor) {
   return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));  // all ones: NaN
 }
 
+// kVl int4 elements from nibble `idx` (even) of `data`, all of one group:
+// each nibble u as bfloat16((u - 8 - z) x scale), widened (I4Dequantize).
+inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
+  uint32_t word;
+  std::memcpy(&word, static_cast<const uint8_t*>(data) + (idx >> 1), sizeof word);
+  const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(word));
+  // Each byte twice, then the low nibble of the first copy and the high one
+  // of the second: element order.
+  const __m256i u =
+      _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)),
+                                         _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
+                       _mm256_set1_epi32(0xf));
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8 + p.zero)));
+  return RoundBf16F(_mm256_mul_ps(q, _mm256_set1_ps(p.scale)));
+}
+
 // kVl elements of type T starting at element `idx` of `data`, as float32.
 template <ElemType T>
 inline VecF LoadF(const void* data, int64_t idx) {
+  static_assert(T != ElemType::kI4, "int4 elements are loaded with their group: LoadI4");
   if constexpr (T == ElemType::kF32) {
     return _mm256_loadu_ps(static_cast<const float*>(data) + idx);
   } else if constexpr (T == ElemType::kBF16) {
@@ -160,8 +180,21 @@ inline VecF LoadF8(const void* data, int64_t idx, float factor) {
                             _mm512_set1_ps(factor * 256.0f));
 }
 
+inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
+  uint64_t word;
+  std::memcpy(&word, static_cast<const uint8_t*>(data) + (idx >> 1), sizeof word);
+  const __m128i bytes = _mm_cvtsi64_si128(static_cast<long long>(word));
+  const __m512i u = _mm512_and_si512(
+      _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)),
+                        _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)),
+      _mm512_set1_epi32(0xf));
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(8 + p.zero)));
+  return RoundBf16F(_mm512_mul_ps(q, _mm512_set1_ps(p.scale)));
+}
+
 template <ElemType T>
 inline VecF LoadF(const void* data, int64_t idx) {
+  static_assert(T != ElemType::kI4, "int4 elements are loaded with their group: LoadI4");
   if constexpr (T == ElemType::kF32) {
     return _mm512_loadu_ps(static_cast<const float*>(data) + idx);
   } else if constexpr (T == ElemType::kBF16) {
@@ -240,6 +273,26 @@ inline VecF LoadWeightF(const void* data, int64_t idx, float s) {
   return w;
 }
 
+// kVl elements of B at `idx`, which lie in the scale block (or int4 group)
+// of (k, j), as float32: FP8 x scale rounded to bfloat16 with kRoundFp8.
+template <ElemType T, bool kRoundFp8>
+inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
+  if constexpr (T == ElemType::kI4) {
+    return LoadI4(b.data, idx, I4ParamsAt(b, I4Group(b, k, j)));
+  } else {
+    return LoadWeightF<T, kRoundFp8>(b.data, idx, Scale<T>(b, k, j));
+  }
+}
+
+// Whether B's vector loads along its contiguous dimension (kVl elements from
+// a multiple of kVl) each lie in one group: always, but for an int4 B whose
+// groups are not whole vectors, which then takes the scalar paths.
+inline bool VectorsFitGroups(const Operand& b) {
+  if (b.type != ElemType::kI4) return true;
+  const int64_t along = b.col_stride == 1 ? b.group_cols : b.group_rows;
+  return along % kVl == 0;
+}
+
 // The float32 microkernel of the AVX2 and AVX-512 sets (packed_kernels.h's
 // micro): kRows <= kMr rows of an A panel times a B panel of two vectors of
 // columns (nr = 2 kVl), one FMA per row and vector at each k. A block of at
@@ -281,35 +334,38 @@ template <int kNr, bool kRoundFp8 = false>
 void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t n_size, void* out) {
   static_assert(kNr % kVl == 0);
   const int64_t panels = (n_size + kNr - 1) / kNr;
+  const bool vectors = (b.col_stride == 1 || b.row_stride == 1) && VectorsFitGroups(b);
   DispatchType(b.type, [&]<ElemType T>() {
-    auto load = [&](int64_t idx, float s) { return LoadWeightF<T, kRoundFp8>(b.data, idx, s); };
+    // The kVl elements from `idx`, B(k, j) the first of them.
+    auto load = [&](int64_t idx, int64_t k, int64_t j) {
+      return LoadWeightF<T, kRoundFp8>(b, idx, k, j);
+    };
     for (int64_t p = 0; p < panels; ++p) {
       const int64_t col0 = n0 + p * kNr;
       const int64_t cols = MinI(kNr, n_size - p * kNr);
       float* o = static_cast<float*>(out) + p * k_size * kNr;
-      if (cols < kNr || (b.col_stride != 1 && b.row_stride != 1)) {
+      if (cols < kNr || !vectors) {
         PackBGeneric<kNr, false, kRoundFp8>(b, k0, k_size, col0, cols, o);
         continue;
       }
-      // A panel lies inside one 128-column scale block (128 % kNr == 0).
       if (b.col_stride == 1) {
         for (int64_t k = 0; k < k_size; ++k) {
           const int64_t base = (k0 + k) * b.row_stride + col0;
-          const float s = Scale<T>(b, k0 + k, col0);
-          for (int v = 0; v < kNr; v += kVl) StoreF(o + k * kNr + v, load(base + v, s));
+          for (int v = 0; v < kNr; v += kVl) {
+            StoreF(o + k * kNr + v, load(base + v, k0 + k, col0 + v));
+          }
         }
         continue;
       }
       // k-contiguous: transpose kVl x kVl blocks. Chunks of kVl k-values
       // start at multiples of kVl from k0 (a multiple of the block size kb),
-      // so each lies in one 128-row scale block.
+      // so each lies in one 128-row scale block (or int4 group).
       int64_t k = 0;
       for (; k + kVl <= k_size; k += kVl) {
         for (int v = 0; v < kNr; v += kVl) {
-          const float s = Scale<T>(b, k0 + k, col0 + v);
           VecF r[kVl];
           for (int j = 0; j < kVl; ++j) {
-            r[j] = load((col0 + v + j) * b.col_stride + k0 + k, s);
+            r[j] = load((col0 + v + j) * b.col_stride + k0 + k, k0 + k, col0 + v + j);
           }
           Transpose(r);
           for (int t = 0; t < kVl; ++t) StoreF(o + (k + t) * kNr + v, r[t]);
@@ -364,7 +420,7 @@ void PackAF32(const Operand& a, int64_t m0, int64_t m_size, int64_t k0, int64_t 
   }
   const int64_t panels = (m_size + kMr - 1) / kMr;
   DispatchType(a.type, [&]<ElemType T>() {
-    if constexpr (T != ElemType::kF8E4M3) {
+    if constexpr (!WeightOnly(T)) {
       for (int64_t p = 0; p < panels; ++p) {
         float* o = static_cast<float*>(out) + p * k_size * kMr;
         const int64_t row0 = m0 + p * kMr;
@@ -407,12 +463,6 @@ inline void StoreOut(const Output& c, int64_t i, int64_t j, float v, bool accumu
   }
 }
 
-// kVl elements of B at `idx`, which lie in the scale block of (k, j), as
-// float32: FP8 x scale rounded to bfloat16 with kRoundFp8.
-template <ElemType T, bool kRoundFp8>
-inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
-  return LoadWeightF<T, kRoundFp8>(b.data, idx, Scale<T>(b, k, j));
-}
 template <ElemType T, bool kRoundFp8>
 inline float WeightValue(const Operand& b, int64_t k, int64_t j) {
   const float w = ValueAs<T>(b, k, j);
@@ -441,7 +491,8 @@ inline float WeightValue(const Operand& b, int64_t k, int64_t j) {
 template <ElemType T>
 inline void Prefetch(const void* data, int64_t idx) {
   constexpr int kBytes = T == ElemType::kF32 ? 4 : T == ElemType::kBF16 ? 2 : 1;
-  _mm_prefetch(static_cast<const char*>(data) + idx * kBytes, _MM_HINT_T0);
+  const int64_t offset = T == ElemType::kI4 ? idx >> 1 : idx * kBytes;
+  _mm_prefetch(static_cast<const char*>(data) + offset, _MM_HINT_T0);
 }
 
 // The end of StreamColumns' sums for columns [j0, j0 + kC): acc's lanes
@@ -588,14 +639,15 @@ inline void DispatchRows(int64_t m, const Fn& fn) {
 }
 
 // The streamed path for 1 <= m <= kMaxStreamedRows. Returns false, having
-// done nothing, for layouts it does not take (A with strided columns or FP8;
-// B with neither dimension contiguous). With kRoundFp8, an FP8 B goes through
+// done nothing, for layouts it does not take (A with strided columns, FP8 or
+// int4; B with neither dimension contiguous, or an int4 B whose groups are
+// not whole vectors). With kRoundFp8, an FP8 B goes through
 // the lookup tables of fp8_tables.h where the CPU has them: the same bits.
 template <bool kRoundFp8 = false>
 bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Operand& b,
                const Output& c, bool accumulate) {
-  if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || a.type == ElemType::kF8E4M3 ||
-      (b.row_stride != 1 && b.col_stride != 1)) {
+  if (m < 1 || m > kMaxStreamedRows || a.col_stride != 1 || WeightOnly(a.type) ||
+      (b.row_stride != 1 && b.col_stride != 1) || !VectorsFitGroups(b)) {
     return false;
   }
   if constexpr (kRoundFp8) {
@@ -606,7 +658,7 @@ bool SmallRows(int64_t m, int64_t n, int64_t k_size, const Operand& a, const Ope
   }
   DispatchType(a.type, [&]<ElemType TA>() {
     DispatchType(b.type, [&]<ElemType T>() {
-      if constexpr (TA != ElemType::kF8E4M3) {
+      if constexpr (!WeightOnly(TA)) {
         DispatchRows(m, [&]<int kM>() {
           if (b.row_stride == 1) {
             StreamKContiguous<kM, kRoundFp8, TA, T>(n, k_size, a, b, c, accumulate);

@@ -38,7 +38,6 @@ std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const st
   return out;
 }
 
-
 }  // namespace
 
 void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
@@ -53,11 +52,16 @@ void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
 
 std::string DtypeName(at::ScalarType t) {
   switch (t) {
-    case at::kBFloat16: return "bfloat16";
-    case at::kHalf: return "float16";
+    case at::kBFloat16:
+      return "bfloat16";
+    case at::kHalf:
+      return "float16";
     case at::kFloat8_e4m3fn:
       return "float8_e4m3fn";
-    default: return "float32";
+    case at::kByte:
+      return "int4";
+    default:
+      return "float32";
   }
 }
 
@@ -67,7 +71,8 @@ absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
   return at::kFloat;
 }
 
-absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint::LoadReport* report) {
+absl::Status LoadPretrained(MoeModel& model, const std::string& dir,
+                            checkpoint::LoadReport* report) {
   const int ep_rank = model.runtime().expert_group->rank();
   checkpoint::LoadOptions options;
   options.first_expert = model.placement().first_expert(ep_rank);
@@ -83,8 +88,8 @@ absl::Status LoadPretrained(MoeModel& model, const std::string& dir, checkpoint:
       options.destinations[p.name] = p.tensor;
     }
   }
-  MOEFIT_ASSIGN_OR_RETURN(auto tensors, checkpoint::LoadCheckpoint(dir, model.options().model_type,
-                                                                   options, report));
+  MOEFIT_ASSIGN_OR_RETURN(
+      auto tensors, checkpoint::LoadCheckpoint(dir, model.options().model_type, options, report));
   torch::NoGradGuard no_grad;
   for (const Parameter& p : tensors_wanted) {
     if (options.destinations.contains(p.name)) continue;
@@ -162,11 +167,11 @@ std::string HfConfigJson(const ModelOptions& o, at::ScalarType dtype,
 
 absl::Status SaveHfDirectory(const MoeModel& model, const std::string& dir,
                              const parallel::ProcessGroups& groups, const SaveOptions& options) {
-  if (model.runtime().expert_dtype == at::kFloat8_e4m3fn) {
+  if (model.runtime().quantized_experts()) {
     return absl::FailedPreconditionError(absl::StrCat(
         dir,
-        ": the model's experts are FP8; a Hugging Face directory is written from bfloat16 "
-        "or float32 experts (experts.dtype)"));
+        ": the model's experts are FP8 or int4; a Hugging Face directory is written from "
+        "bfloat16 or float32 experts (experts.dtype)"));
   }
   HfTensors in;
   in.family = model.options().model_type;
@@ -177,8 +182,8 @@ absl::Status SaveHfDirectory(const MoeModel& model, const std::string& dir,
   in.num_global_experts = model.options().num_experts;
   // The first expert-parallel group writes (replicas hold the same experts).
   in.writes = groups.ep_group_idx == 0;
-  in.config_json_text = HfConfigJson(model.options(), options.dtype.value_or(at::kFloat),
-                                     options.base_config_json);
+  in.config_json_text =
+      HfConfigJson(model.options(), options.dtype.value_or(at::kFloat), options.base_config_json);
   in.copy_files_from = options.copy_files_from;
   return SaveHfTensors(in, dir, *groups.world, options);
 }
@@ -204,7 +209,8 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
       in.writes ? checkpoint::PlanExport(in.family, in.tensors, eo)
                 : absl::StatusOr<checkpoint::ExportPlan>(checkpoint::ExportPlan{});
   if (AnyRankFailed(world, !plan.ok())) {
-    return plan.ok() ? absl::InternalError("another rank could not plan its shards") : plan.status();
+    return plan.ok() ? absl::InternalError("another rank could not plan its shards")
+                     : plan.status();
   }
 
   // Global shard numbering: ranks' shards in rank order.
@@ -213,8 +219,10 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
       ->WaitOrThrow();
   const int first = static_cast<int>(counts.narrow(0, 0, world.rank()).sum().item<int64_t>());
   const int total = static_cast<int>(counts.sum().item<int64_t>());
-  absl::StatusOr<std::map<std::string, std::string>> fragment = std::map<std::string, std::string>();
-  if (plan->num_shards() > 0) fragment = checkpoint::WriteExportShards(partial, *plan, first, total);
+  absl::StatusOr<std::map<std::string, std::string>> fragment =
+      std::map<std::string, std::string>();
+  if (plan->num_shards() > 0)
+    fragment = checkpoint::WriteExportShards(partial, *plan, first, total);
   if (AnyRankFailed(world, !fragment.ok())) {
     return fragment.ok() ? absl::InternalError("another rank could not write its shards")
                          : fragment.status();
@@ -244,7 +252,8 @@ absl::Status SaveHfTensors(const HfTensors& in, const std::string& dir_in,
         }
         fs::copy_file(e.path(), partial / name, fs::copy_options::overwrite_existing, ec);
         if (ec) {
-          status = absl::InternalError(absl::StrCat("cannot copy ", e.path().string(), ": ", ec.message()));
+          status = absl::InternalError(
+              absl::StrCat("cannot copy ", e.path().string(), ": ", ec.message()));
           break;
         }
       }

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "checkpoint/fp8.h"
 #include "experts/expert_function.h"
+#include "experts/int4.h"
 #include "experts/kernels/gemm.h"
 #include "experts/registry.h"
 #include "framework/attention.h"
@@ -40,22 +41,24 @@ struct MoeModel::Layer {
   int64_t idx = 0;
   bool moe = false;
   at::Tensor input_norm, post_attn_norm;
-  GqaWeights gqa;       // GQA attention
-  LatentWeights mla;    // or multi-head latent attention
+  GqaWeights gqa;     // GQA attention
+  LatentWeights mla;  // or multi-head latent attention
   // Dense MLP (dense layers) or shared expert(s) (MoE layers).
   SwiGluWeights mlp;
   at::Tensor shared_gate;  // [1, H] qwen2_moe shared_expert_gate; undefined: ungated
   LoraAdapter shared_gate_lora;
-  at::Tensor router;       // [E, H]
-  at::Tensor correction_bias;  // [E] fp32 e_score_correction_bias (sigmoid routers)
+  at::Tensor router;                   // [E, H]
+  at::Tensor correction_bias;          // [E] fp32 e_score_correction_bias (sigmoid routers)
   at::Tensor gate_up_proj, down_proj;  // packed experts, CPU
   // With expert_master_weights: the copies in expert_dtype the experts compute
   // with (gate_up_proj and down_proj are then the float32 masters).
   at::Tensor gate_up_compute, down_compute;
   // FP8 experts: float32 scales per 128 x 128 block, [E_local, 2I/128, ceil(H/128)]
-  // and [E_local, ceil(H/128), I/128].
+  // and [E_local, ceil(H/128), I/128]. int4 experts: bfloat16 group scales,
+  // and int8 zero points where the scheme has them (experts::ExpertWeights).
   at::Tensor gate_up_scale, down_scale;
-  experts::ExpertLora expert_lora;     // their adapters (LoRA), CPU
+  at::Tensor gate_up_zero_point, down_zero_point;
+  experts::ExpertLora expert_lora;  // their adapters (LoRA), CPU
   // The module prefix of the MLP or shared expert(s) ("mlp", "mlp.shared_expert", ...).
   std::string mlp_name;
 };
@@ -86,6 +89,14 @@ void DrawLoraA(at::Tensor a, uint64_t seed) {
 
 std::string ScaleInvName(const std::string& weight_name) {
   return absl::StrCat(weight_name, std::string(checkpoint::kScaleInvSuffix));
+}
+
+std::string Int4ScaleName(const std::string& weight_name) {
+  return absl::StrCat(weight_name, "_scale");
+}
+
+std::string Int4ZeroPointName(const std::string& weight_name) {
+  return absl::StrCat(weight_name, "_zero_point");
 }
 
 absl::Status CheckFp8Experts(const ModelOptions& o) {
@@ -122,7 +133,8 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   if (!backend.ok()) return backend.status();
   ModelRuntime rt = runtime;
   if (rt.expert_group == nullptr) rt.expert_group = parallel::LocalCommunicator::Create("ep");
-  auto placement = router::ExpertPlacement::Contiguous(options.num_experts, rt.expert_group->size());
+  auto placement =
+      router::ExpertPlacement::Contiguous(options.num_experts, rt.expert_group->size());
   if (!placement.ok()) return placement.status();
   auto dispatcher = parallel::CreateDispatcher(rt.dispatcher, rt.expert_group, *placement);
   if (!dispatcher.ok()) return dispatcher.status();
@@ -144,9 +156,19 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
           "eval) only");
     }
     MOEFIT_RETURN_IF_ERROR(CheckFp8Experts(options));
+  } else if (rt.expert_dtype == at::kByte) {
+    if (!rt.lora.enabled() && !rt.frozen_base) {
+      return absl::InvalidArgumentError(
+          "experts.dtype = 'int4': int4 experts are frozen, for train.mode lora (or moefit eval) "
+          "only");
+    }
+    if (rt.int4_group_size <= 0 || rt.int4_group_size % 2 != 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("int4 experts need an even group size; got ", rt.int4_group_size));
+    }
   } else if (rt.expert_dtype != at::kFloat && rt.expert_dtype != at::kBFloat16) {
     return absl::InvalidArgumentError(absl::StrCat("experts in ", c10::toString(rt.expert_dtype),
-                                                   ": float32, bfloat16 or float8_e4m3fn"));
+                                                   ": float32, bfloat16, float8_e4m3fn or int4"));
   }
   // Masters only where there is something narrower to master and to train.
   model->runtime_.expert_master_weights =
@@ -193,10 +215,13 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       runtime_.expert_master_weights ? at::kFloat : runtime_.expert_dtype;
   // Under LoRA the base is frozen, and its matrices may stay narrow.
   const bool trained = !runtime_.lora.enabled() && !runtime_.frozen_base;
-  // Frozen FP8 experts: each weight followed by its block scales.
+  // Frozen FP8 experts: each weight followed by its block scales; frozen int4
+  // experts: by their group scales and zero points.
   const bool fp8 = runtime_.expert_dtype == at::kFloat8_e4m3fn;
+  const bool int4 = runtime_.expert_dtype == at::kByte;
   constexpr int64_t kBlock = experts::kernels::kScaleBlock;
-  at::Tensor fp8_scale;  // the scales of the FP8 expert weight `add` made last
+  // The scales (and int4 zero points) of the quantized expert weight `add` made last.
+  at::Tensor fp8_scale, int4_zero_point;
   // `matrix`: a dense matrix stored in dense_dtype (else float32: norms, biases, routers).
   auto add = [&](const std::string& name, std::vector<int64_t> shape, bool normal, bool decay,
                  bool expert, bool matrix = false) {
@@ -222,11 +247,34 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       fp8_scale = scale;
       return t;
     }
+    if (expert && int4) {
+      // Drawn as float32, then quantized in groups; scales and zero points
+      // join the parameters.
+      const int64_t group = runtime_.int4_group_size, cols = shape[2];
+      experts::Int4Weight q;
+      if (random) {
+        q = experts::QuantizeInt4(
+            RandnRows(shape, first_expert, num_local, o.initializer_range, at::kFloat, gen), group,
+            !runtime_.int4_zero_points);
+      } else {
+        const std::vector<int64_t> groups = {num_local, shape[1], (cols + group - 1) / group};
+        q.bytes = at::empty({num_local, shape[1], experts::Int4RowBytes(cols)}, at::kByte);
+        q.scale = at::empty(groups, at::kBFloat16);
+        if (runtime_.int4_zero_points) q.zero_point = at::empty(groups, at::kChar);
+      }
+      params_.push_back({name, q.bytes, decay, expert});
+      params_.push_back({Int4ScaleName(name), q.scale, /*weight_decay=*/false, expert});
+      if (q.zero_point.defined()) {
+        params_.push_back({Int4ZeroPointName(name), q.zero_point, /*weight_decay=*/false, expert});
+      }
+      fp8_scale = q.scale;
+      int4_zero_point = q.zero_point;
+      return q.bytes;
+    }
     if (expert) {
       // This rank's experts only: never the other ranks' rows, drawn or not.
       if (random) {
-        t = RandnRows(shape, first_expert, num_local, o.initializer_range, expert_param_dtype,
-                      gen);
+        t = RandnRows(shape, first_expert, num_local, o.initializer_range, expert_param_dtype, gen);
       } else {
         shape[0] = num_local;
         t = at::empty(shape, at::TensorOptions().dtype(expert_param_dtype));
@@ -279,8 +327,8 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       w.kv_a_proj =
           linear(p + "self_attn.kv_a_proj_with_mqa", o.kv_lora_rank + o.qk_rope_head_dim, h);
       w.kv_a_norm = norm(p + "self_attn.kv_a_layernorm", o.kv_lora_rank);
-      w.kv_b_proj = linear(p + "self_attn.kv_b_proj",
-                           heads * (o.qk_nope_head_dim + o.v_head_dim), o.kv_lora_rank);
+      w.kv_b_proj = linear(p + "self_attn.kv_b_proj", heads * (o.qk_nope_head_dim + o.v_head_dim),
+                           o.kv_lora_rank);
       w.o_proj = linear(p + "self_attn.o_proj", h, heads * o.v_head_dim);
     } else {
       GqaWeights& w = l.gqa;
@@ -310,8 +358,10 @@ void MoeModel::Build(uint64_t seed, WeightInit init) {
       l.gate_up_proj =
           add(p + "mlp.experts.gate_up_proj", {o.num_experts, 2 * inter, h}, true, true, true);
       l.gate_up_scale = std::exchange(fp8_scale, {});
+      l.gate_up_zero_point = std::exchange(int4_zero_point, {});
       l.down_proj = add(p + "mlp.experts.down_proj", {o.num_experts, h, inter}, true, true, true);
       l.down_scale = std::exchange(fp8_scale, {});
+      l.down_zero_point = std::exchange(int4_zero_point, {});
       if (runtime_.expert_master_weights) {
         l.gate_up_compute = at::empty_like(l.gate_up_proj, runtime_.expert_dtype);
         l.down_compute = at::empty_like(l.down_proj, runtime_.expert_dtype);
@@ -437,8 +487,8 @@ std::vector<MoeModel::MasterCopy> MoeModel::expert_master_copies() const {
   for (const Layer& l : layers_) {
     if (!l.gate_up_compute.defined()) continue;
     const std::string p = absl::StrCat("model.layers.", l.idx, ".mlp.experts.");
-    out.push_back({p + "gate_up_proj", l.gate_up_proj, l.gate_up_compute,
-                   first * l.gate_up_proj[0].numel()});
+    out.push_back(
+        {p + "gate_up_proj", l.gate_up_proj, l.gate_up_compute, first * l.gate_up_proj[0].numel()});
     out.push_back({p + "down_proj", l.down_proj, l.down_compute, first * l.down_proj[0].numel()});
   }
   return out;
@@ -459,10 +509,10 @@ void MoeModel::SetTraining(bool training) {
 }
 
 absl::Status MoeModel::MergeAdapters() {
-  if (runtime_.expert_dtype == at::kFloat8_e4m3fn) {
+  if (runtime_.quantized_experts()) {
     return absl::FailedPreconditionError(
-        "adapters are folded into bfloat16 or float32 experts, not FP8 ones: build the model with "
-        "experts.dtype bfloat16 (or lora.base_dtype) to merge");
+        "adapters are folded into bfloat16 or float32 experts, not FP8 or int4 ones: build the "
+        "model with experts.dtype bfloat16 (or lora.base_dtype) to merge");
   }
   torch::NoGradGuard no_grad;
   auto fold = [](at::Tensor w, const at::Tensor& a, const at::Tensor& b, double scaling) {
@@ -526,8 +576,9 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   // each token's routing-weighted sum over its experts comes home. In
   // runtime_.dispatch_chunks chunks of tokens, pipelined.
   const parallel::ScopedLayer layer_progress(l.idx);  // named by a watchdog report
-  experts::ExpertWeights weights{l.gate_up_proj, l.down_proj, l.expert_lora, l.gate_up_scale,
-                                 l.down_scale};
+  experts::ExpertWeights weights{
+      l.gate_up_proj, l.down_proj,          l.expert_lora,     l.gate_up_scale,
+      l.down_scale,   l.gate_up_zero_point, l.down_zero_point, runtime_.int4_group_size};
   experts::ExpertFfnOptions ffn{.recompute = runtime_.recompute == Recompute::kExperts};
   if (l.gate_up_compute.defined()) {
     ffn.gate_up_master = l.gate_up_proj;
@@ -566,7 +617,7 @@ at::Tensor MoeModel::DecoderLayer(const Layer& l, const at::Tensor& hidden_in,
 }
 
 ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& position_ids,
-                               const at::Tensor& segment_ids) {
+                                const at::Tensor& segment_ids) {
   const ModelOptions& o = options_;
   const c10::Device dev = runtime_.dense_device;
   at::Tensor ids = input_ids.to(dev);
@@ -584,8 +635,8 @@ ForwardResult MoeModel::Forward(const at::Tensor& input_ids, const at::Tensor& p
   const bool plain_positions =
       !position_ids.defined() ||
       at::equal(position_ids.to(at::kCPU, at::kLong), at::arange(t, at::kLong).expand({b, t}));
-  const RotaryTables rope = plain_positions ? ComputeRotaryTables(o, t, dev)
-                                            : ComputeRotaryTables(o, position_ids, dev);
+  const RotaryTables rope =
+      plain_positions ? ComputeRotaryTables(o, t, dev) : ComputeRotaryTables(o, position_ids, dev);
 
   // A narrow frozen embedding gives float32 activations all the same.
   at::Tensor hidden = at::embedding(embed_tokens_, ids).to(at::kFloat);
@@ -628,8 +679,8 @@ LossSum CausalLmLossSum(const at::Tensor& logits, const at::Tensor& labels) {
   at::Tensor shift_logits = logits.narrow(1, 0, t - 1).reshape({-1, logits.size(2)});
   at::Tensor shift_labels = labels.to(logits.device()).narrow(1, 1, t - 1).reshape({-1});
   LossSum out;
-  out.sum = at::cross_entropy_loss(shift_logits, shift_labels, /*weight=*/{},
-                                   at::Reduction::Sum, /*ignore_index=*/-100);
+  out.sum = at::cross_entropy_loss(shift_logits, shift_labels, /*weight=*/{}, at::Reduction::Sum,
+                                   /*ignore_index=*/-100);
   out.num_tokens = CountTrainedTokens(labels);
   return out;
 }

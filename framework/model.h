@@ -52,8 +52,13 @@ struct ModelRuntime {
   // Storage dtype of the routed experts: float32, bfloat16, or (a frozen base:
   // LoRA, or frozen_base) float8_e4m3fn with a float32 scale per 128 x 128 block, kept
   // as a block-scaled FP8 checkpoint stores it (CheckFp8Experts says when a
-  // model can). FP8 experts compute in bfloat16 (expert_compute_dtype()).
+  // model can), or kByte: int4 as compressed-tensors' pack-quantized
+  // checkpoints store it (experts::ExpertWeights), in groups of
+  // int4_group_size inputs with int8 zero points where int4_zero_points.
+  // FP8 and int4 experts compute in bfloat16 (expert_compute_dtype()).
   at::ScalarType expert_dtype = at::kFloat;
+  int64_t int4_group_size = 32;
+  bool int4_zero_points = false;
   // Trained experts narrower than float32 keep float32 master weights: the
   // parameters are the masters (gradients and AdamW in float32), and a copy in
   // expert_dtype, refreshed by SyncExpertCopies, is what the experts compute
@@ -88,7 +93,12 @@ struct ModelRuntime {
 
   // The dtype the experts' inputs and outputs travel and compute in.
   at::ScalarType expert_compute_dtype() const {
-    return expert_dtype == at::kFloat8_e4m3fn ? at::kBFloat16 : expert_dtype;
+    return expert_dtype == at::kFloat8_e4m3fn || expert_dtype == at::kByte ? at::kBFloat16
+                                                                           : expert_dtype;
+  }
+  // Whether the routed experts are quantized as stored (FP8 or int4): frozen.
+  bool quantized_experts() const {
+    return expert_dtype == at::kFloat8_e4m3fn || expert_dtype == at::kByte;
   }
 };
 
@@ -100,14 +110,18 @@ struct ModelRuntime {
 absl::Status CheckFp8Experts(const ModelOptions& options);
 
 struct Parameter {
-  std::string name;   // e.g. model.layers.0.mlp.experts.gate_up_proj
-  at::Tensor tensor;  // a leaf; requires_grad unless frozen (the base under LoRA)
+  std::string name;          // e.g. model.layers.0.mlp.experts.gate_up_proj
+  at::Tensor tensor;         // a leaf; requires_grad unless frozen (the base under LoRA)
   bool weight_decay = true;  // false for norms and biases
   bool expert = false;       // routed-expert weight (CPU resident; this rank's experts only)
 };
 
 // FP8 experts' block scales beside their weights: "<weight>_scale_inv".
 std::string ScaleInvName(const std::string& weight_name);
+// int4 experts' group scales and zero points beside their weights:
+// "<weight>_scale", "<weight>_zero_point".
+std::string Int4ScaleName(const std::string& weight_name);
+std::string Int4ZeroPointName(const std::string& weight_name);
 
 // What one MoE layer's router saw in a forward pass.
 struct MoeLayerRouting {

@@ -86,7 +86,8 @@ class FirstError : public pb::io::ErrorCollector {
  public:
   explicit FirstError(std::string source) : source_(std::move(source)) {}
   void AddError(int line, pb::io::ColumnNumber column, const std::string& message) override {
-    if (error_.empty()) error_ = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
+    if (error_.empty())
+      error_ = absl::StrCat(source_, ":", line + 1, ":", column + 1, ": ", message);
   }
   const std::string& error() const { return error_; }
 
@@ -137,9 +138,9 @@ absl::Status ApplyOverride(const std::string& assignment, proto::Config* config)
     const pb::FieldDescriptor* f = d->FindFieldByName(parts[i]);
     const std::string prefix = absl::StrJoin(parts.begin(), parts.begin() + i, ".");
     if (f == nullptr) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--set ", assignment, ": unknown field '", parts[i], "' in ",
-          prefix.empty() ? "the config" : prefix, " (fields: ", FieldNames(d), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--set ", assignment, ": unknown field '", parts[i], "' in ",
+                       prefix.empty() ? "the config" : prefix, " (fields: ", FieldNames(d), ")"));
     }
     if (i + 1 < parts.size()) {
       if (f->cpp_type() != pb::FieldDescriptor::CPPTYPE_MESSAGE || f->is_repeated()) {
@@ -150,9 +151,9 @@ absl::Status ApplyOverride(const std::string& assignment, proto::Config* config)
       continue;
     }
     if (f->cpp_type() == pb::FieldDescriptor::CPPTYPE_MESSAGE) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--set ", assignment, ": '", path, "' is a message; set one of its fields (",
-                       FieldNames(f->message_type()), ")"));
+      return absl::InvalidArgumentError(absl::StrCat("--set ", assignment, ": '", path,
+                                                     "' is a message; set one of its fields (",
+                                                     FieldNames(f->message_type()), ")"));
     }
     std::vector<std::string> values;
     if (f->is_repeated()) {
@@ -254,9 +255,7 @@ absl::Status CheckUnsupportedValues(const std::string& path, const nlohmann::jso
       if (t != "full_attention") return bad("layer_types", "every layer must be full_attention");
     }
   }
-  auto integer = [&](const char* key) {
-    return j.contains(key) && j[key].is_number_integer();
-  };
+  auto integer = [&](const char* key) { return j.contains(key) && j[key].is_number_integer(); };
   if (integer("qk_head_dim") && integer("qk_nope_head_dim") && integer("qk_rope_head_dim") &&
       j["qk_head_dim"].get<int64_t>() !=
           j["qk_nope_head_dim"].get<int64_t>() + j["qk_rope_head_dim"].get<int64_t>()) {
@@ -292,9 +291,9 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
   // that apart from "not given" (which takes the family default).
   if (j.contains("q_lora_rank") && j["q_lora_rank"].is_null()) j["q_lora_rank"] = 0;
   // Family-specific key names (e.g. mixtral's num_local_experts).
-  const std::string model_type =
-      j.contains("model_type") && j["model_type"].is_string() ? j["model_type"].get<std::string>()
-                                                              : "";
+  const std::string model_type = j.contains("model_type") && j["model_type"].is_string()
+                                     ? j["model_type"].get<std::string>()
+                                     : "";
   if (const framework::ModelFamily* f = framework::FindModelFamily(model_type);
       f != nullptr && f->from_hf_config != nullptr) {
     f->from_hf_config(j);
@@ -381,8 +380,7 @@ absl::StatusOr<proto::Config> FinishConfig(proto::Config config,
         (std::filesystem::path(config.model().model_path()) / "config.json").string());
   }
   if (!config.model().config_json().empty()) {
-    MOEFIT_RETURN_IF_ERROR(
-        MergeHfConfigJson(config.model().config_json(), config.mutable_model()));
+    MOEFIT_RETURN_IF_ERROR(MergeHfConfigJson(config.model().config_json(), config.mutable_model()));
   }
   return config;
 }
@@ -416,14 +414,16 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
                                         : " (its router is a plain softmax top-k)"));
   }
   if (!sigmoid && (o.n_group != 1 || o.topk_group != 1 || o.routed_scaling_factor != 1.0)) {
-    return Invalid(absl::StrCat("model.n_group, topk_group and routed_scaling_factor apply to the "
-                                "sigmoid routers of deepseek_v3 and glm4_moe, not to ",
-                                o.model_type));
+    return Invalid(
+        absl::StrCat("model.n_group, topk_group and routed_scaling_factor apply to the "
+                     "sigmoid routers of deepseek_v3 and glm4_moe, not to ",
+                     o.model_type));
   }
   if (sigmoid && m.has_router_aux_loss_coef() && m.router_aux_loss_coef() > 0) {
-    return Invalid("model.router_aux_loss_coef: the Switch balance loss needs softmax scores; "
-                   "sigmoid routers use model.aux_loss_alpha (sequence-wise) and the correction "
-                   "bias");
+    return Invalid(
+        "model.router_aux_loss_coef: the Switch balance loss needs softmax scores; "
+        "sigmoid routers use model.aux_loss_alpha (sequence-wise) and the correction "
+        "bias");
   }
   if (o.moe_layer_freq != 1) {
     return Invalid(absl::StrCat("model.moe_layer_freq = ", o.moe_layer_freq,
@@ -437,8 +437,8 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
                                 " is not divisible by model.n_group = ", o.n_group));
   }
   if (o.topk_group > o.n_group) {
-    return Invalid(absl::StrCat("model.topk_group = ", o.topk_group, " exceeds model.n_group = ",
-                                o.n_group));
+    return Invalid(
+        absl::StrCat("model.topk_group = ", o.topk_group, " exceeds model.n_group = ", o.n_group));
   }
   const int64_t group_size = o.num_experts / o.n_group;
   if (o.n_group > 1 && group_size < 2) {
@@ -464,8 +464,9 @@ absl::Status ResolveRouter(const proto::ModelConfig& m, framework::ModelOptions&
     return Invalid(absl::StrCat("model.aux_loss_alpha = ", o.aux_loss_alpha, " must be >= 0"));
   }
   if (o.aux_loss_alpha > 0 && m.has_seq_aux() && !m.seq_aux()) {
-    return Invalid("model.seq_aux = false: moefit implements only the sequence-wise balance loss "
-                   "of aux_loss_alpha");
+    return Invalid(
+        "model.seq_aux = false: moefit implements only the sequence-wise balance loss "
+        "of aux_loss_alpha");
   }
   if (o.scoring == framework::RouterScoring::kSigmoid) o.router_aux_loss_coef = 0;
   return absl::OkStatus();
@@ -486,8 +487,8 @@ absl::Status ResolveRope(const proto::ModelConfig& m, framework::ModelOptions& o
     if (type == "yarn") {
       s.type = "yarn";
       s.original_max_position_embeddings = r.has_original_max_position_embeddings()
-                                                ? r.original_max_position_embeddings()
-                                                : o.max_position_embeddings;
+                                               ? r.original_max_position_embeddings()
+                                               : o.max_position_embeddings;
       MOEFIT_RETURN_IF_ERROR(RequirePositive("model.rope_scaling.original_max_position_embeddings",
                                              s.original_max_position_embeddings));
       s.factor = r.has_factor() ? r.factor()
@@ -527,15 +528,16 @@ absl::Status ResolveQuantization(const proto::ModelConfig& m, framework::ModelOp
                                 "' is not supported (moefit reads fp8 block-scaled checkpoints)"));
   }
   if (!q.fmt().empty() && q.fmt() != "e4m3") {
-    return Invalid(absl::StrCat("model.quantization_config.fmt = '", q.fmt(),
-                                "' is not supported (e4m3)"));
+    return Invalid(
+        absl::StrCat("model.quantization_config.fmt = '", q.fmt(), "' is not supported (e4m3)"));
   }
   std::array<int64_t, 2> block = {128, 128};
   if (q.weight_block_size_size() != 0) {
     if (q.weight_block_size_size() != 2 || q.weight_block_size(0) <= 0 ||
         q.weight_block_size(1) <= 0) {
-      return Invalid("model.quantization_config.weight_block_size must be two positive sizes "
-                     "[rows, cols]");
+      return Invalid(
+          "model.quantization_config.weight_block_size must be two positive sizes "
+          "[rows, cols]");
     }
     block = {q.weight_block_size(0), q.weight_block_size(1)};
   }
@@ -545,11 +547,11 @@ absl::Status ResolveQuantization(const proto::ModelConfig& m, framework::ModelOp
 
 // Multi-head latent attention dims.
 absl::Status ResolveMla(framework::ModelOptions& o) {
-  for (auto [name, value] : std::vector<std::pair<const char*, int64_t>>{
-           {"model.kv_lora_rank", o.kv_lora_rank},
-           {"model.qk_nope_head_dim", o.qk_nope_head_dim},
-           {"model.qk_rope_head_dim", o.qk_rope_head_dim},
-           {"model.v_head_dim", o.v_head_dim}}) {
+  for (auto [name, value] :
+       std::vector<std::pair<const char*, int64_t>>{{"model.kv_lora_rank", o.kv_lora_rank},
+                                                    {"model.qk_nope_head_dim", o.qk_nope_head_dim},
+                                                    {"model.qk_rope_head_dim", o.qk_rope_head_dim},
+                                                    {"model.v_head_dim", o.v_head_dim}}) {
     MOEFIT_RETURN_IF_ERROR(RequirePositive(name, value));
   }
   if (o.q_lora_rank < 0) {
@@ -571,15 +573,16 @@ absl::Status ResolveMla(framework::ModelOptions& o) {
 
 absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m) {
   if (!m.has_model_type()) {
-    return Invalid("model.model_type is not set (give it in the config or through model.config_json)");
+    return Invalid(
+        "model.model_type is not set (give it in the config or through model.config_json)");
   }
   const framework::ModelFamily* family = framework::FindModelFamily(m.model_type());
   if (family == nullptr) {
     std::vector<std::string> names;
     for (const auto& f : framework::ModelFamilies()) names.push_back(f.name);
-    return Invalid(absl::StrCat("model.model_type = '", m.model_type(),
-                                "' is not a supported family (supported: ",
-                                absl::StrJoin(names, ", "), ")"));
+    return Invalid(
+        absl::StrCat("model.model_type = '", m.model_type(),
+                     "' is not a supported family (supported: ", absl::StrJoin(names, ", "), ")"));
   }
   framework::ModelOptions o;
   family->set_defaults(o);
@@ -604,12 +607,13 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
            {"model.num_experts", has_experts, experts, &o.num_experts},
            {"model.num_experts_per_tok", m.has_num_experts_per_tok(), m.num_experts_per_tok(),
             &o.num_experts_per_tok},
-           {"model.moe_intermediate_size", m.has_moe_intermediate_size(),
-            m.moe_intermediate_size(), &o.moe_intermediate_size},
+           {"model.moe_intermediate_size", m.has_moe_intermediate_size(), m.moe_intermediate_size(),
+            &o.moe_intermediate_size},
        }) {
     if (!r.has) {
-      return Invalid(absl::StrCat(r.name, " is not set (give it in the config or through "
-                                          "model.config_json)"));
+      return Invalid(absl::StrCat(r.name,
+                                  " is not set (give it in the config or through "
+                                  "model.config_json)"));
     }
     MOEFIT_RETURN_IF_ERROR(RequirePositive(r.name, r.value));
     *r.out = r.value;
@@ -617,7 +621,8 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
   if (m.has_intermediate_size()) o.intermediate_size = m.intermediate_size();
   if (m.has_shared_expert_intermediate_size())
     o.shared_expert_intermediate_size = m.shared_expert_intermediate_size();
-  o.num_key_value_heads = m.has_num_key_value_heads() ? m.num_key_value_heads() : o.num_attention_heads;
+  o.num_key_value_heads =
+      m.has_num_key_value_heads() ? m.num_key_value_heads() : o.num_attention_heads;
   if (m.has_norm_topk_prob()) o.norm_topk_prob = m.norm_topk_prob();
   if (m.has_router_aux_loss_coef()) o.router_aux_loss_coef = m.router_aux_loss_coef();
   if (m.has_rope_theta()) o.rope_theta = m.rope_theta();
@@ -660,9 +665,9 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
     MOEFIT_RETURN_IF_ERROR(RequirePositive("model.head_dim", o.head_dim));
   } else {
     if (o.hidden_size % o.num_attention_heads != 0) {
-      return Invalid(absl::StrCat("model.hidden_size = ", o.hidden_size,
-                                  " is not divisible by model.num_attention_heads = ",
-                                  o.num_attention_heads));
+      return Invalid(
+          absl::StrCat("model.hidden_size = ", o.hidden_size,
+                       " is not divisible by model.num_attention_heads = ", o.num_attention_heads));
     }
     o.head_dim = o.hidden_size / o.num_attention_heads;
   }
@@ -678,9 +683,9 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
     }
   }
   if (o.num_attention_heads % o.num_key_value_heads != 0) {
-    return Invalid(absl::StrCat("model.num_attention_heads = ", o.num_attention_heads,
-                                " is not divisible by model.num_key_value_heads = ",
-                                o.num_key_value_heads));
+    return Invalid(
+        absl::StrCat("model.num_attention_heads = ", o.num_attention_heads,
+                     " is not divisible by model.num_key_value_heads = ", o.num_key_value_heads));
   }
   for (int64_t l : o.mlp_only_layers) {
     if (l < 0 || l >= o.num_hidden_layers) {
@@ -706,8 +711,8 @@ absl::StatusOr<framework::ModelOptions> ResolveModel(const proto::ModelConfig& m
     return Invalid(absl::StrCat("model.rope_theta = ", o.rope_theta, " must be positive"));
   }
   if (o.router_aux_loss_coef < 0) {
-    return Invalid(absl::StrCat("model.router_aux_loss_coef = ", o.router_aux_loss_coef,
-                                " must be >= 0"));
+    return Invalid(
+        absl::StrCat("model.router_aux_loss_coef = ", o.router_aux_loss_coef, " must be >= 0"));
   }
   if (o.first_k_dense_replace < 0 || o.first_k_dense_replace > o.num_hidden_layers) {
     return Invalid(absl::StrCat("model.first_k_dense_replace = ", o.first_k_dense_replace,
@@ -876,11 +881,12 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   MOEFIT_RETURN_IF_ERROR(RequirePositive("train.steps", t.steps()));
   MOEFIT_RETURN_IF_ERROR(RequirePositive("train.micro_batch_size", t.micro_batch_size()));
   MOEFIT_RETURN_IF_ERROR(RequirePositive("train.grad_accum_steps", t.grad_accum_steps()));
-  if (t.seq_len() < 2) return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(), " must be >= 2"));
+  if (t.seq_len() < 2)
+    return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(), " must be >= 2"));
   if (t.seq_len() > run.model.max_position_embeddings) {
-    return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(),
-                                " exceeds model.max_position_embeddings = ",
-                                run.model.max_position_embeddings));
+    return Invalid(absl::StrCat(
+        "train.seq_len = ", t.seq_len(),
+        " exceeds model.max_position_embeddings = ", run.model.max_position_embeddings));
   }
   run.seq_len = t.seq_len();
   run.train.steps = t.steps();
@@ -899,25 +905,32 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   if (op.beta2() < 0 || op.beta2() >= 1) {
     return Invalid(absl::StrCat("optimizer.beta2 = ", op.beta2(), " must be in [0, 1)"));
   }
-  if (!(op.eps() > 0)) return Invalid(absl::StrCat("optimizer.eps = ", op.eps(), " must be positive"));
+  if (!(op.eps() > 0))
+    return Invalid(absl::StrCat("optimizer.eps = ", op.eps(), " must be positive"));
   if (op.max_grad_norm() < 0) {
     return Invalid(absl::StrCat("optimizer.max_grad_norm = ", op.max_grad_norm(), " must be >= 0"));
   }
-  run.train.optimizer = {op.lr(),  op.weight_decay(),   op.beta1(),
-                         op.beta2(), op.eps(), op.max_grad_norm(), op.stochastic_rounding()};
+  run.train.optimizer = {op.lr(),
+                         op.weight_decay(),
+                         op.beta1(),
+                         op.beta2(),
+                         op.eps(),
+                         op.max_grad_norm(),
+                         op.stochastic_rounding()};
   const proto::ScheduleConfig& sc = c.schedule();
   if (sc.warmup_steps() < 0) {
     return Invalid(absl::StrCat("schedule.warmup_steps = ", sc.warmup_steps(), " must be >= 0"));
   }
   if (sc.min_lr_ratio() < 0 || sc.min_lr_ratio() > 1) {
-    return Invalid(absl::StrCat("schedule.min_lr_ratio = ", sc.min_lr_ratio(), " must be in [0, 1]"));
+    return Invalid(
+        absl::StrCat("schedule.min_lr_ratio = ", sc.min_lr_ratio(), " must be in [0, 1]"));
   }
   run.train.schedule = {sc.warmup_steps(), sc.min_lr_ratio()};
   run.train.bias_update_rate =
       c.router().has_bias_update_rate() ? c.router().bias_update_rate() : 0.001;
   if (run.train.bias_update_rate < 0) {
-    return Invalid(absl::StrCat("router.bias_update_rate = ", run.train.bias_update_rate,
-                                " must be >= 0"));
+    return Invalid(
+        absl::StrCat("router.bias_update_rate = ", run.train.bias_update_rate, " must be >= 0"));
   }
   run.train.metrics_file = c.logging().metrics_file();
   run.train.log_every = c.logging().log_every();
@@ -925,8 +938,8 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   const proto::ExpertsConfig& e = c.experts();
   const std::vector<std::string> backends = experts::ExpertBackendNames();
   if (std::find(backends.begin(), backends.end(), e.backend()) == backends.end()) {
-    return Invalid(absl::StrCat("experts.backend = '", e.backend(), "' is unknown (known: ",
-                                absl::StrJoin(backends, ", "), ")"));
+    return Invalid(absl::StrCat("experts.backend = '", e.backend(),
+                                "' is unknown (known: ", absl::StrJoin(backends, ", "), ")"));
   }
   run.runtime.expert_backend = e.backend();
   if (e.dtype() == "float32" || e.dtype().empty()) {
@@ -935,9 +948,11 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     run.runtime.expert_dtype = at::kBFloat16;
   } else if (e.dtype() == "float8_e4m3fn") {
     run.runtime.expert_dtype = at::kFloat8_e4m3fn;
+  } else if (e.dtype() == "int4") {
+    run.runtime.expert_dtype = at::kByte;
   } else {
     return Invalid(absl::StrCat("experts.dtype = '", e.dtype(),
-                                "' must be float32, bfloat16 or float8_e4m3fn (or empty)"));
+                                "' must be float32, bfloat16, float8_e4m3fn or int4 (or empty)"));
   }
   run.experts_dtype_set = !e.dtype().empty();
   MOEFIT_RETURN_IF_ERROR(ResolveLora(c, run));

@@ -1,12 +1,12 @@
 // Config loading: defaults, the demo, --set overrides, HF config.json files of
 // each family, and one test per kind of bad input with its exact message.
+#include "launch/config.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <fstream>
 #include <string>
-
-#include "launch/config.h"
 
 namespace moefit::launch {
 namespace {
@@ -66,10 +66,10 @@ TEST(Config, FileMergesOntoDefaults) {
   absl::StatusOr<RunConfig> r = Resolve(path, {});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->train.steps, 3);
-  EXPECT_EQ(r->train.micro_batch_size, 8);          // default
-  EXPECT_DOUBLE_EQ(r->train.optimizer.lr, 3e-4);     // default
-  EXPECT_EQ(r->model.num_key_value_heads, 4);        // = num_attention_heads
-  EXPECT_EQ(r->model.head_dim, 16);                  // = hidden / heads
+  EXPECT_EQ(r->train.micro_batch_size, 8);                 // default
+  EXPECT_DOUBLE_EQ(r->train.optimizer.lr, 3e-4);           // default
+  EXPECT_EQ(r->model.num_key_value_heads, 4);              // = num_attention_heads
+  EXPECT_EQ(r->model.head_dim, 16);                        // = hidden / heads
   EXPECT_DOUBLE_EQ(r->model.router_aux_loss_coef, 0.001);  // qwen3_moe default
 }
 
@@ -100,8 +100,8 @@ TEST(Config, Qwen3MoeConfigJson) {
   EXPECT_DOUBLE_EQ(r->model.rms_norm_eps, 1e-6);
 
   // In a config file, fields given there override the file's.
-  const std::string cfg = WriteTemp("q3.pbtxt", "model { config_json: \"" + json +
-                                                    "\" hidden_size: 128 head_dim: 32 }");
+  const std::string cfg = WriteTemp(
+      "q3.pbtxt", "model { config_json: \"" + json + "\" hidden_size: 128 head_dim: 32 }");
   r = Resolve(cfg, {});
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->model.hidden_size, 128);
@@ -175,8 +175,8 @@ std::string ReplaceFirst(std::string text, const std::string& from, const std::s
 
 std::string DeepseekJson(const std::string& name, const std::string& model_type,
                          const std::string& q_lora) {
-  return WriteTemp(name, ReplaceFirst(ReplaceFirst(kDeepseekJson, "MODEL_TYPE", model_type),
-                                      "Q_LORA", q_lora));
+  return WriteTemp(
+      name, ReplaceFirst(ReplaceFirst(kDeepseekJson, "MODEL_TYPE", model_type), "Q_LORA", q_lora));
 }
 
 TEST(Config, DeepseekV3AndKimiK2ConfigJson) {
@@ -252,13 +252,15 @@ TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
   std::string path =
       DeepseekJsonWith("k1.json", R"("ep_size": 1)", R"("attn_logit_softcapping": 30.0)");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
-            path + ": key \"attn_logit_softcapping\" = 30.0 is not read by moefit (neither a model "
-                   "field nor on the documented ignore list); remove it if it does not change the "
-                   "model");
+            path +
+                ": key \"attn_logit_softcapping\" = 30.0 is not read by moefit (neither a model "
+                "field nor on the documented ignore list); remove it if it does not change the "
+                "model");
   path = DeepseekJsonWith("k2.json", R"("silu")", R"("gelu")");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
-            path + ": hidden_act = \"gelu\" is not supported: moefit's MLPs and experts are "
-                   "SwiGLU (silu)");
+            path +
+                ": hidden_act = \"gelu\" is not supported: moefit's MLPs and experts are "
+                "SwiGLU (silu)");
   path = DeepseekJsonWith("k3.json", R"("type": "yarn")", R"("type": "llama3")");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
             "model.rope_scaling type 'llama3' is not implemented by moefit (default or yarn)");
@@ -272,8 +274,9 @@ TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
             "aux_loss_alpha");
   path = WriteTemp("k5.json", R"({"model_type": "mixtral", "sliding_window": 4096})");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
-            path + ": sliding_window = 4096 is not supported: moefit has no sliding-window "
-                   "attention (set it to null)");
+            path +
+                ": sliding_window = 4096 is not supported: moefit has no sliding-window "
+                "attention (set it to null)");
 }
 
 TEST(Config, CollectiveDeadlines) {
@@ -343,10 +346,14 @@ TEST(Config, DispatchPipelineAndProgressThread) {
 }
 
 TEST(ConfigErrors, RouterSettings) {
-  const std::vector<std::string> ds = {"model.model_type=deepseek_v3", "model.q_lora_rank=16",
-                                       "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-                                       "model.qk_rope_head_dim=8", "model.v_head_dim=8",
-                                       "model.n_group=4", "model.topk_group=2"};
+  const std::vector<std::string> ds = {"model.model_type=deepseek_v3",
+                                       "model.q_lora_rank=16",
+                                       "model.kv_lora_rank=16",
+                                       "model.qk_nope_head_dim=8",
+                                       "model.qk_rope_head_dim=8",
+                                       "model.v_head_dim=8",
+                                       "model.n_group=4",
+                                       "model.topk_group=2"};
   auto with = [&](std::vector<std::string> extra) {
     std::vector<std::string> all = ds;
     all.insert(all.end(), extra.begin(), extra.end());
@@ -358,12 +365,12 @@ TEST(ConfigErrors, RouterSettings) {
             "routers use model.aux_loss_alpha (sequence-wise) and the correction bias");
   EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=3"})),
             "model.num_experts = 8 is not divisible by model.n_group = 3");
-  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=8",
-                              "model.topk_group=1"})),
-            "model.n_group = 8 leaves 1 expert per group; a group's score is its best two experts");
-  EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=4",
-                              "model.topk_group=5"})),
-            "model.topk_group = 5 exceeds model.n_group = 4");
+  EXPECT_EQ(
+      ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=8", "model.topk_group=1"})),
+      "model.n_group = 8 leaves 1 expert per group; a group's score is its best two experts");
+  EXPECT_EQ(
+      ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=4", "model.topk_group=5"})),
+      "model.topk_group = 5 exceeds model.n_group = 4");
   EXPECT_EQ(ErrorOf("", with({"model.router_aux_loss_coef=0", "model.n_group=4",
                               "model.topk_group=1", "model.num_experts_per_tok=3"})),
             "model.num_experts_per_tok = 3 exceeds the 2 experts of the model.topk_group = 1 "
@@ -475,7 +482,7 @@ TEST(ConfigErrors, InconsistentShapes) {
   EXPECT_EQ(ErrorOf("", {"experts.backend=fast"}),
             "experts.backend = 'fast' is unknown (known: grouped, eager)");
   EXPECT_EQ(ErrorOf("", {"experts.dtype=fp8"}),
-            "experts.dtype = 'fp8' must be float32, bfloat16 or float8_e4m3fn (or empty)");
+            "experts.dtype = 'fp8' must be float32, bfloat16, float8_e4m3fn or int4 (or empty)");
   EXPECT_EQ(ErrorOf("", {"train.seq_len=4096"}),
             "train.seq_len = 4096 exceeds model.max_position_embeddings = 1024");
   EXPECT_EQ(ErrorOf("", {"optimizer.beta2=1"}), "optimizer.beta2 = 1 must be in [0, 1)");
@@ -485,7 +492,8 @@ TEST(ConfigErrors, InconsistentShapes) {
 }
 
 TEST(ConfigErrors, BadConfigJson) {
-  const std::string bad = WriteTemp("badtype.json", R"({"model_type": "qwen3_moe", "hidden_size": "big"})");
+  const std::string bad =
+      WriteTemp("badtype.json", R"({"model_type": "qwen3_moe", "hidden_size": "big"})");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + bad}),
             bad + ": field hidden_size = \"big\" has the wrong type (int64 expected)");
   const std::string broken = WriteTemp("broken.json", "{\"model_type\": ");

@@ -1,5 +1,7 @@
 // moefit's expert GEMM (experts/kernels/gemm.h) on one core, per instruction
-// set and weight format, against two ceilings measured in the same run:
+// set and weight format (float32, bfloat16, FP8 with 128 x 128 block scales,
+// int4 with a bfloat16 scale per 32 inputs), against two ceilings measured
+// in the same run:
 //
 //   * compute: LibTorch's float32 mm (MKL/oneDNN) of the same shape, one
 //     thread -- for a block of rows big enough to be compute-bound;
@@ -41,14 +43,20 @@
 #include <string>
 #include <vector>
 
+#include "experts/int4.h"
 #include "experts/kernels/gemm.h"
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
+#include "experts/packed_weights.h"
 #include "parallel/internal/row_ops.h"
 
 namespace moefit::experts::kernels {
 namespace {
+
+using experts::ExpertWeightOperand;
+using experts::Int4Weight;
+using experts::QuantizeInt4;
 
 struct Flags {
   int64_t hidden = 2048, inter = 768;
@@ -85,20 +93,38 @@ int64_t UncachedBytes() {
                            2 * moefit::parallel::internal::LastLevelCacheBytes());
 }
 
-int64_t ElementBytes(ElemType t) { return t == ElemType::kF32 ? 4 : t == ElemType::kBF16 ? 2 : 1; }
+// The group of an int4 weight's scales (Kimi-K2-Thinking's).
+constexpr int64_t kInt4Group = 32;
+
+// Bytes a weight element takes in memory, its scales included.
+double ElementBytes(ElemType t) {
+  switch (t) {
+    case ElemType::kF32:
+      return 4;
+    case ElemType::kBF16:
+      return 2;
+    case ElemType::kF8E4M3:
+      return 1 + 4.0 / (kScaleBlock * kScaleBlock);
+    case ElemType::kI4:
+      return 0.5 + 2.0 / kInt4Group;
+  }
+  return 4;
+}
 
 // Experts whose weights of type t together exceed UncachedBytes(), or --experts.
 int64_t ExpertsCycled(const Flags& f, ElemType t) {
   if (f.experts > 0) return f.experts;
-  const int64_t per_expert = 3 * f.inter * f.hidden * ElementBytes(t);
+  const auto per_expert = static_cast<int64_t>(3.0 * f.inter * f.hidden * ElementBytes(t));
   return std::max<int64_t>(8, (UncachedBytes() + per_expert - 1) / per_expert);
 }
 
 struct Weights {
   ElemType type;
   int64_t experts = 0;
-  at::Tensor gate_up, down;              // [E, 2I, H], [E, H, I]
-  at::Tensor gate_up_scale, down_scale;  // FP8 only
+  // [E, 2I, H], [E, H, I]; int4: their bytes [E, 2I, H/2], [E, H, I/2].
+  at::Tensor gate_up, down;
+  // FP8: float32 block scales; int4: bfloat16 group scales.
+  at::Tensor gate_up_scale, down_scale;
 };
 
 at::ScalarType TorchType(ElemType t) {
@@ -110,6 +136,15 @@ at::ScalarType TorchType(ElemType t) {
 Weights MakeWeights(const Flags& f, ElemType type) {
   Weights w{type, ExpertsCycled(f, type)};
   const int64_t n = w.experts;
+  if (type == ElemType::kI4) {
+    const Int4Weight gate_up = QuantizeInt4(at::randn({n, 2 * f.inter, f.hidden}), kInt4Group);
+    const Int4Weight down = QuantizeInt4(at::randn({n, f.hidden, f.inter}), kInt4Group);
+    w.gate_up = gate_up.bytes;
+    w.gate_up_scale = gate_up.scale;
+    w.down = down.bytes;
+    w.down_scale = down.scale;
+    return w;
+  }
   const double s = type == ElemType::kF8E4M3 ? 1.0 : 0.02;
   w.gate_up = (at::randn({n, 2 * f.inter, f.hidden}) * s).to(TorchType(type));
   w.down = (at::randn({n, f.hidden, f.inter}) * s).to(TorchType(type));
@@ -124,6 +159,9 @@ Weights MakeWeights(const Flags& f, ElemType type) {
 // Expert e's weight [rows, cols] read as B = Wᵀ (transposed) or B = W.
 Operand WeightOperand(const at::Tensor& w, const at::Tensor& scale, int64_t e, bool transposed,
                       ElemType type) {
+  if (type == ElemType::kI4) {
+    return ExpertWeightOperand(w, {scale, at::Tensor(), kInt4Group, 2 * w.size(2)}, e, transposed);
+  }
   const int64_t rows = w.size(1), cols = w.size(2);
   Operand op;
   op.type = type;
@@ -172,7 +210,10 @@ double ReadBandwidth() {
 }
 
 const char* TypeName(ElemType t) {
-  return t == ElemType::kF32 ? "fp32" : t == ElemType::kBF16 ? "bf16" : "fp8";
+  return t == ElemType::kF32    ? "fp32"
+         : t == ElemType::kBF16 ? "bf16"
+         : t == ElemType::kI4   ? "int4"
+                                : "fp8";
 }
 
 Flags Parse(int argc, char** argv) {
@@ -221,11 +262,12 @@ int main(int argc, char** argv) {
   const int64_t H = f.hidden, I = f.inter;
   std::printf(
       "expert_kernel_bench: one core, H %lld, I %lld; experts cycled: fp32 %lld, bf16 "
-      "%lld, fp8 %lld (last-level cache %lld MB)\n",
+      "%lld, fp8 %lld, int4 %lld (last-level cache %lld MB)\n",
       static_cast<long long>(H), static_cast<long long>(I),
       static_cast<long long>(ExpertsCycled(f, ElemType::kF32)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kBF16)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kF8E4M3)),
+      static_cast<long long>(ExpertsCycled(f, ElemType::kI4)),
       static_cast<long long>(moefit::parallel::internal::LastLevelCacheBytes() >> 20));
   std::printf("CPU flags: %s; detected: %s\n", CpuFlags().c_str(),
               std::string(IsaName(DetectIsa())).c_str());
@@ -240,7 +282,7 @@ int main(int argc, char** argv) {
       isas.push_back(isa);
     }
   }
-  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3};
+  const ElemType types[] = {ElemType::kF32, ElemType::kBF16, ElemType::kF8E4M3, ElemType::kI4};
   std::vector<Weights> weights;
   for (ElemType t : types) weights.push_back(MakeWeights(f, t));
   // Float32 weights for the LibTorch ceiling.
@@ -366,7 +408,7 @@ int main(int argc, char** argv) {
           internal::SetBf16Pairs(std::nullopt);
         }
         double t_dw = 0;
-        if (w.type != ElemType::kF8E4M3) {  // FP8 weights are frozen: no weight gradients
+        if (!WeightOnly(w.type)) {  // FP8 and int4 weights are frozen: no weight gradients
           t_dw = TimeIt(
               [&] {
                 Gemm(isa, 2 * I, H, m, Transposed(r.dgu), RowMajor(r.x), Out(r.dwgu), false);
@@ -375,8 +417,8 @@ int main(int argc, char** argv) {
               f.seconds);
         }
         const double flops = 2.0 * 2 * (m * 2 * I * H + m * H * I);
-        // Forward + dX read each weight twice.
-        const double bytes = 2.0 * (3.0 * I * H) * w.gate_up.element_size();
+        // Forward + dX read each weight (and its scales) twice.
+        const double bytes = 2.0 * (3.0 * I * H) * ElementBytes(w.type);
         const double floor_ms = bytes / (bw * 1e9) * 1e3;
         auto add_line = [&](const std::string& type, double t_run, double t_run_kept) {
           char line[256];

@@ -72,9 +72,17 @@ inline float LoadAs(const void* data, int64_t idx) {
   }
 }
 
+// x / g for g > 0, a shift where g is a power of two (the groups of
+// published checkpoints: 1 x 32, 1 x 128), which the vector paths ask for
+// once per vector.
+inline int64_t DivGroup(int64_t x, int64_t g) {
+  return (g & (g - 1)) == 0 ? x >> __builtin_ctzll(static_cast<uint64_t>(g)) : x / g;
+}
+
 // Where int4 element (i, j)'s group scale and zero point are (gemm.h's Operand).
 inline int64_t I4Group(const Operand& op, int64_t i, int64_t j) {
-  return (i / op.group_rows) * op.scale_row_stride + (j / op.group_cols) * op.scale_col_stride;
+  return DivGroup(i, op.group_rows) * op.scale_row_stride +
+         DivGroup(j, op.group_cols) * op.scale_col_stride;
 }
 
 // An int4 group's scale (widened from bfloat16) and zero point.

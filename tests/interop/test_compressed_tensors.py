@@ -183,3 +183,85 @@ def test_unsupported_scheme_is_named(build_dir, int4_model, tmp_path):
     assert result.returncode == 2, result.stderr
     assert ("model.quantization_config.config_groups.group_0.weights.num_bits = 8: "
             "pack-quantized weights are read as 4-bit integers") in result.stderr
+
+
+# llm-compressor's FP8 block variant: float-quantized `X.weight` (F8_E4M3)
+# with `X.weight_scale` per block, here blocks of [16, 32] so that the
+# 24-row q_a_proj and the 32-wide experts end in partial blocks.
+FP8_BLOCK = [16, 32]
+
+
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(1)
+    config = DeepseekV3Config(
+        vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4,
+        max_position_embeddings=256, q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=EXPERTS, n_shared_experts=1,
+        moe_intermediate_size=40, intermediate_size=96, first_k_dense_replace=1, n_group=1,
+        topk_group=1, num_experts_per_tok=2, routed_scaling_factor=2.5, norm_topk_prob=True)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    dense_dir = tmp_path_factory.mktemp("fp8_dense")
+    model.save_pretrained(dense_dir)
+    dense = load_file(str(next(dense_dir.glob("*.safetensors"))))
+    args = QuantizationArgs(num_bits=8, type="float", symmetric=True, strategy="block",
+                            block_structure=FP8_BLOCK)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="float-quantized")
+    tensors, quantized = {}, []
+    for name, t in dense.items():
+        if (".mlp.experts." in name or "q_a_proj" in name) and name.endswith(".weight"):
+            rows, cols = t.shape
+            b0, b1 = FP8_BLOCK
+            grid = (-(-rows // b0), -(-cols // b1))
+            padded = torch.zeros(grid[0] * b0, grid[1] * b1, dtype=t.dtype)
+            padded[:rows, :cols] = t
+            blocks = padded.view(grid[0], b0, grid[1], b1)
+            scale, _ = calculate_qparams(blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3)), args)
+            compressed = FloatQuantizationCompressor.compress({"weight": t, "weight_scale": scale},
+                                                              scheme)
+            tensors[name], tensors[name + "_scale"] = compressed["weight"], compressed["weight_scale"]
+            quantized.append(name)
+        else:
+            tensors[name] = t
+    path = tmp_path_factory.mktemp("fp8")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = json.loads((dense_dir / "config.json").read_text())
+    hf_config["quantization_config"] = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="float-quantized",
+        quantization_status="compressed", ignore=IGNORE).model_dump()
+    (path / "config.json").write_text(json.dumps(hf_config, indent=2))
+    decompressed = {
+        name: FloatQuantizationCompressor.decompress(
+            {"weight": tensors[name], "weight_scale": tensors[name + "_scale"]}, scheme)["weight"]
+        for name in quantized}
+    return path, tensors, quantized, decompressed
+
+
+def test_fp8_blocks_load_as_the_library_decompresses(tool, build_dir, fp8_model, tmp_path):
+    """Into bfloat16 (the scales' dtype) the values are the library's bit for
+    bit, through safetensors_tool and through `moefit export` from config.json."""
+    src, tensors, quantized, ref = fp8_model
+    assert tensors[quantized[0]].dtype == torch.float8_e4m3fn
+    assert all(t.dtype == torch.bfloat16 for t in ref.values())
+    report, runtime = load(tool, src, tmp_path / "out.safetensors", "--dtype", "bfloat16",
+                           "--fp8-scale-suffix", "_scale", "--fp8-block", "16,32")
+    assert report["missing"] == [] and report["unexpected"] == [] and report["mismatched"] == []
+    expert = lambda e, proj: ref[f"{MOE}experts.{e}.{proj}.weight"]
+    assert torch.equal(runtime[MOE + "experts.gate_up_proj"],
+                       torch.stack([torch.cat([expert(e, "gate_proj"), expert(e, "up_proj")])
+                                    for e in range(EXPERTS)]))
+    assert torch.equal(runtime[MOE + "experts.down_proj"],
+                       torch.stack([expert(e, "down_proj") for e in range(EXPERTS)]))
+    q_a = "model.layers.0.self_attn.q_a_proj.weight"
+    assert torch.equal(runtime[q_a], ref[q_a])
+
+    out = tmp_path / "exported"
+    result = subprocess.run([str(build_dir / "launch" / "moefit"), "export", str(src), str(out)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    exported = load_file(str(next(out.glob("*.safetensors"))))
+    for name in quantized:
+        assert torch.equal(exported[name], ref[name]), name

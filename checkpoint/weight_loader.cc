@@ -4,13 +4,17 @@
 // Three stages, each complete before the next:
 //   1. Keys: the index (or every shard header) gives every on-disk name; each is
 //      matched to the table once, grouping sources by the target they feed.
-//      Keys of skipped layers (MTP) drop out here, by name; `X_scale_inv` keys
-//      are attached to their weight `X` instead of being matched.
+//      Keys of skipped layers (MTP) drop out here, by name; companions (FP8
+//      scales; int4 scales, shapes and zero points) are attached to their
+//      weight instead of being matched, and a packed int4 `X.weight_packed` is
+//      matched as the `X.weight` it stands for.
 //   2. Plan: for each wanted target, the sources this rank needs are resolved
 //      (opening only the shards that hold them) and the rule runs on meta tensors
-//      of the stored shapes, which yields the target's shape or the reason the
-//      stored shapes do not fit. Every problem goes into the report; any problem
-//      stops the load here, before a byte of tensor data is read.
+//      of the stored shapes (an int4 source's: its logical shape, from its
+//      `_shape` companion, the only data read here), which yields the target's
+//      shape or the reason the stored shapes do not fit. Every problem goes into
+//      the report; any problem stops the load here, before the sources' data is
+//      read.
 //   3. Convert: a tbb::flow function_node with bounded concurrency takes targets
 //      one by one and builds each into its own tensor (the caller's destination
 //      when it gave one, checked against the plan before this stage starts) as
@@ -22,7 +26,10 @@
 //      (madvise(WILLNEED) first so the kernel reads ahead) and copies the
 //      result. A block-scaled FP8 source is widened from its mapping straight
 //      into its spot (DequantizeBlockFp8Into); for the other rules it is
-//      widened to an fp32 copy of that one source first.
+//      widened to an fp32 copy of that one source first. A packed int4 source
+//      is likewise dequantized from its mapping into its spot, or, kept packed,
+//      pread() as bytes like any other source; its zero points are unpacked
+//      into their own target's spot.
 #include "checkpoint/weight_loader.h"
 
 #include <ATen/ops/empty.h>
@@ -47,6 +54,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/compressed_tensors.h"
 #include "checkpoint/conversion_ops.h"
 #include "checkpoint/fp8.h"
 #include "checkpoint/internal/strings.h"
@@ -187,11 +195,41 @@ class CheckpointDir {
 struct SourceRef {
   const OpenedFile* file = nullptr;
   const TensorInfo* info = nullptr;
-  // A block-scaled FP8 source's `_scale_inv` companion (its shard may differ).
+  // The source's scale: a block-scaled FP8 source's `_scale_inv` (or `_scale`),
+  // a packed int4 source's `_scale` (its shard may differ).
   const OpenedFile* scale_file = nullptr;
   const TensorInfo* scale_info = nullptr;
+  // A packed int4 source (`X.weight_packed`): its other companions, and its
+  // logical [rows, cols] once planning has read `X.weight_shape`.
+  bool int4 = false;
+  const OpenedFile* shape_file = nullptr;
+  const TensorInfo* shape_info = nullptr;
+  const OpenedFile* zero_file = nullptr;  // asymmetric schemes only
+  const TensorInfo* zero_info = nullptr;
+  std::array<int64_t, 2> logical = {0, 0};
 
-  bool is_fp8() const { return scale_info != nullptr; }
+  bool is_fp8() const { return scale_info != nullptr && !int4; }
+};
+
+// What a target holds: its sources' values, or a companion of another
+// target kept in its stored format, built by that target's rule from the
+// sources' companions.
+enum class Part {
+  kValues,
+  kFp8Scales,       // `<target>_scale_inv` of a target kept in FP8
+  kInt4Scales,      // `<target>_scale` of a target kept packed int4
+  kInt4ZeroPoints,  // `<target>_zero_point` of one, unpacked to int8
+};
+
+// Runtime name suffixes of the companion targets.
+struct CompanionTarget {
+  std::string_view suffix;
+  Part part;
+};
+constexpr CompanionTarget kCompanionTargets[] = {
+    {kScaleInvSuffix, Part::kFp8Scales},
+    {kScaleSuffix, Part::kInt4Scales},
+    {kZeroPointSuffix, Part::kInt4ZeroPoints},
 };
 
 // One runtime tensor and everything needed to produce it.
@@ -208,9 +246,13 @@ struct TargetPlan {
   int64_t num_rows = -1;
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
-  // The `_scale_inv` grid of a target kept in FP8: the same rule applied to
-  // its sources' scales (`keys` are the scales' names).
-  bool scales = false;
+  // A companion target (FP8 scale grid, int4 scales or zero points) is the
+  // same rule applied to the companions of `weight`'s sources (`keys` are
+  // the companions' names).
+  Part part = Part::kValues;
+  std::string weight;
+
+  bool companion() const { return part != Part::kValues; }
 };
 
 // Copies `src` into `dst` (same shape), converting the dtype if they differ;
@@ -271,14 +313,18 @@ class Loader {
     MOEFIT_ASSIGN_OR_RETURN(files_, CheckpointDir::Scan(dir_));
     MOEFIT_RETURN_IF_ERROR(MatchKeys());
     MOEFIT_RETURN_IF_ERROR(SelectTargets());
-    // Weights first: a scale target is planned only where its weight planned well.
+    // Weights first: a companion target is planned only where its weight
+    // planned well, and takes its sources' logical shapes from that plan.
     for (TargetPlan* plan : wanted_) {
-      if (!plan->scales) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+      if (!plan->companion()) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
     }
     for (TargetPlan* plan : wanted_) {
-      if (plan->scales) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
+      if (plan->companion()) MOEFIT_RETURN_IF_ERROR(Plan(*plan));
     }
     report_.num_files_opened = files_->num_opened();
+    // The int4 sources' shapes, read while planning.
+    report_.num_bytes_read = bytes_read_.load();
+    report_.num_tensors_read = tensors_read_.load();
     SortNames(report_.missing);
     SortNames(report_.unexpected);
     SortNames(report_.mismatched);
@@ -305,20 +351,25 @@ class Loader {
         report_.skipped.push_back(key);
         continue;
       }
-      if (absl::EndsWith(key, AsAbsl(kScaleInvSuffix))) {
-        const std::string weight = key.substr(0, key.size() - kScaleInvSuffix.size());
-        // A companion goes wherever its weight goes; a scale of nothing feeds nothing.
-        if (keys.contains(weight)) {
-          scales_.emplace(weight, key);
-        } else {
-          report_.unexpected.push_back(key);
-        }
+      // A companion goes wherever its weight goes; one of nothing feeds nothing.
+      if (const std::optional<bool> attached = AttachCompanion(key)) {
+        if (!*attached) report_.unexpected.push_back(key);
         continue;
+      }
+      // The table names `X.weight` where the files hold `X.weight_packed`.
+      std::string name = key;
+      if (const std::optional<std::string> base = PackedBase(key)) {
+        if (keys.contains(*base)) {
+          report_.mismatched.push_back(
+              absl::StrCat(key, ": stored beside ", *base, ", both giving the same weight"));
+          continue;
+        }
+        name = *base;
       }
       bool matched = false;
       for (const MappingRule& rule : table_.rules) {
         for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
-          std::optional<std::vector<int64_t>> numbers = rule.sources[pattern_idx].Match(key);
+          std::optional<std::vector<int64_t>> numbers = rule.sources[pattern_idx].Match(name);
           if (!numbers) continue;
           int64_t expert_idx = 0;
           if (rule.merges_experts()) {
@@ -349,12 +400,64 @@ class Loader {
       if (matched) continue;
       const bool ignored =
           std::any_of(table_.ignore.begin(), table_.ignore.end(),
-                      [&](const KeyPattern& p) { return p.Match(key).has_value(); });
+                      [&](const KeyPattern& p) { return p.Match(name).has_value(); });
       (ignored ? report_.ignored : report_.unexpected).push_back(key);
-      const std::string scale = absl::StrCat(key, AsAbsl(kScaleInvSuffix));
-      if (ignored && keys.contains(scale)) report_.ignored.push_back(scale);
+      if (ignored) {
+        for (const std::string& companion : CompanionKeys(key))
+          report_.ignored.push_back(companion);
+      }
     }
     return absl::OkStatus();
+  }
+
+  // `X.weight` for a packed int4 key `X.weight_packed` (with LoadOptions::int4
+  // set), else nullopt.
+  std::optional<std::string> PackedBase(std::string_view key) const {
+    if (!options_.int4 || !key.ends_with(kPackedSuffix)) return std::nullopt;
+    return std::string(key.substr(0, key.size() - kPackedSuffix.size()));
+  }
+
+  // The int4 companion suffixes of the configured scheme.
+  std::vector<std::string_view> Int4CompanionSuffixes() const {
+    std::vector<std::string_view> suffixes = {kScaleSuffix, kShapeSuffix};
+    if (options_.int4 && !options_.int4->symmetric) suffixes.push_back(kZeroPointSuffix);
+    return suffixes;
+  }
+
+  // For a key named like a companion: whether its weight is there (true, and
+  // an FP8 scale is noted in scales_) or not (false). nullopt for other keys.
+  std::optional<bool> AttachCompanion(const std::string& key) {
+    const auto& keys = files_->keys();
+    if (options_.int4) {
+      // Zero points of a symmetric scheme are no companion: the scheme has none.
+      for (std::string_view suffix : {kScaleSuffix, kShapeSuffix, kZeroPointSuffix}) {
+        if (!key.ends_with(suffix)) continue;
+        const std::string base = key.substr(0, key.size() - suffix.size());
+        if (!keys.contains(absl::StrCat(base, AsAbsl(kPackedSuffix)))) break;
+        return suffix != kZeroPointSuffix || !options_.int4->symmetric;
+      }
+    }
+    const std::string& suffix = options_.fp8_scale_suffix;
+    if (!key.ends_with(suffix)) return std::nullopt;
+    const std::string weight = key.substr(0, key.size() - suffix.size());
+    if (!keys.contains(weight)) return false;
+    scales_.emplace(weight, key);
+    return true;
+  }
+
+  // The companions present beside the source key `key`.
+  std::vector<std::string> CompanionKeys(const std::string& key) const {
+    const auto& keys = files_->keys();
+    std::vector<std::string> out;
+    if (const std::optional<std::string> base = PackedBase(key)) {
+      for (std::string_view suffix : Int4CompanionSuffixes()) {
+        std::string companion = absl::StrCat(*base, AsAbsl(suffix));
+        if (keys.contains(companion)) out.push_back(std::move(companion));
+      }
+    } else if (std::string scale = key + options_.fp8_scale_suffix; keys.contains(scale)) {
+      out.push_back(std::move(scale));
+    }
+    return out;
   }
 
   // `model.layers.N.<anything>` with skip_layers_from <= N < skip_layers_until.
@@ -407,15 +510,27 @@ class Loader {
     }
     for (const auto& [name, expected] : options_.expected) {
       auto it = targets_.find(name);
-      if (it == targets_.end()) it = AddScaleTarget(name);
+      if (it == targets_.end()) it = AddCompanionTarget(name);
       if (it != targets_.end()) {
         wanted_.push_back(&it->second);
-      } else if (const std::string weight = ScaledWeight(name); targets_.contains(weight)) {
+        continue;
+      }
+      const auto [weight, part] = CompanionTargetOf(name);
+      if (part == Part::kValues || !targets_.contains(weight)) {
+        ReportMissingTarget(name);
+      } else if (part == Part::kFp8Scales) {
         report_.mismatched.push_back(absl::StrCat(
             name, ": a scale grid is loaded only beside a target expected in an FP8 dtype, and ",
             weight, " is not"));
+      } else if (part == Part::kInt4ZeroPoints && options_.int4 && options_.int4->symmetric) {
+        report_.mismatched.push_back(absl::StrCat(name, ": the int4 scheme is symmetric, so ",
+                                                  weight, " has no zero points"));
       } else {
-        ReportMissingTarget(name);
+        report_.mismatched.push_back(absl::StrCat(
+            name,
+            ": int4 scales and zero points are loaded only beside a target kept packed "
+            "(expected as uint8, over pack-quantized int4 sources), and ",
+            weight, " is not"));
       }
     }
     for (const auto& [name, plan] : targets_) {
@@ -427,37 +542,69 @@ class Loader {
     return absl::OkStatus();
   }
 
-  // `<X>_scale_inv` where the model keeps target X in FP8: a target of X's
-  // rule over the scales of X's sources. targets_.end() for any other name.
-  std::map<std::string, TargetPlan, NaturalLessCompare>::iterator AddScaleTarget(
+  // The target a companion target's name belongs to and what the companion
+  // is: `X_scale_inv` -> (X, FP8 scales), `X_scale` -> (X, int4 scales),
+  // `X_zero_point` -> (X, int4 zero points); ("", kValues) for other names.
+  static std::pair<std::string, Part> CompanionTargetOf(const std::string& name) {
+    for (const CompanionTarget& companion : kCompanionTargets) {
+      if (name.ends_with(companion.suffix)) {
+        return {name.substr(0, name.size() - companion.suffix.size()), companion.part};
+      }
+    }
+    return {"", Part::kValues};
+  }
+
+  // Whether the model keeps target X in its stored format with `part` beside
+  // it: FP8 scales beside an FP8 target, int4 scales (and, asymmetric, zero
+  // points) beside a target kept packed int4.
+  bool KeepsCompanion(const ExpectedTensor& weight, Part part) const {
+    switch (part) {
+      case Part::kFp8Scales:
+        return IsFp8Dtype(weight.dtype);
+      case Part::kInt4Scales:
+        return options_.int4 && weight.dtype == at::kByte;
+      case Part::kInt4ZeroPoints:
+        return options_.int4 && !options_.int4->symmetric && weight.dtype == at::kByte;
+      case Part::kValues:
+        break;
+    }
+    return false;
+  }
+
+  // A companion target (`X_scale_inv`, `X_scale`, `X_zero_point`) where the
+  // model keeps target X in its stored format: a target of X's rule over the
+  // companions of X's sources. targets_.end() for any other name.
+  std::map<std::string, TargetPlan, NaturalLessCompare>::iterator AddCompanionTarget(
       const std::string& name) {
-    const std::string weight = ScaledWeight(name);
-    if (weight.empty()) return targets_.end();
+    const auto [weight, part] = CompanionTargetOf(name);
+    if (part == Part::kValues) return targets_.end();
     const auto weight_plan = targets_.find(weight);
     const auto expected = options_.expected.find(weight);
-    if (weight_plan == targets_.end() || expected == options_.expected.end() ||
-        !IsFp8Dtype(expected->second.dtype)) {
+    if (weight_plan == targets_.end() || weight_plan->second.companion() ||
+        expected == options_.expected.end() || !KeepsCompanion(expected->second, part)) {
       return targets_.end();
     }
     TargetPlan plan = weight_plan->second;
     plan.name = name;
-    plan.scales = true;
+    plan.part = part;
+    plan.weight = weight;
     for (auto& experts : plan.keys) {
-      for (auto& [expert_idx, key] : experts) key += kScaleInvSuffix;
+      for (auto& [expert_idx, key] : experts) key = CompanionKey(key, part);
     }
     return targets_.emplace(name, std::move(plan)).first;
   }
 
-  // `X` for a name `X_scale_inv`, else empty.
-  static std::string ScaledWeight(const std::string& name) {
-    if (!absl::EndsWith(name, AsAbsl(kScaleInvSuffix))) return "";
-    return name.substr(0, name.size() - kScaleInvSuffix.size());
+  // The on-disk name of source `key`'s companion `part`.
+  std::string CompanionKey(const std::string& key, Part part) const {
+    if (part == Part::kFp8Scales) return key + options_.fp8_scale_suffix;
+    const std::string base = PackedBase(key).value_or(key);
+    return absl::StrCat(base, AsAbsl(part == Part::kInt4Scales ? kScaleSuffix : kZeroPointSuffix));
   }
 
   // Stage 2 for one target: its sources on this rank and its shape.
   absl::Status Plan(TargetPlan& plan) {
     const MappingRule& rule = *plan.rule;
-    if (plan.scales && targets_.at(ScaledWeight(plan.name)).shape.empty()) {
+    if (plan.companion() && targets_.at(plan.weight).shape.empty()) {
       return absl::OkStatus();  // its weight's problem is named
     }
     plan.inputs.assign(rule.sources.size(), {});
@@ -465,10 +612,32 @@ class Loader {
     auto add_input = [&](size_t pattern_idx, const std::string& key) -> absl::Status {
       MOEFIT_ASSIGN_OR_RETURN(auto resolved, files_->Resolve(key));
       SourceRef ref{.file = resolved.first, .info = resolved.second};
+      if (plan.companion()) {
+        plan.inputs[pattern_idx].push_back(ref);
+        return absl::OkStatus();
+      }
       if (const auto it = scales_.find(key); it != scales_.end()) {
         MOEFIT_ASSIGN_OR_RETURN(auto scale, files_->Resolve(it->second));
         ref.scale_file = scale.first;
         ref.scale_info = scale.second;
+      }
+      if (const std::optional<std::string> base = PackedBase(key)) {
+        // Missing companions stay null here; CheckInt4 names them.
+        ref.int4 = true;
+        auto attach = [&](std::string_view suffix, const OpenedFile*& file,
+                          const TensorInfo*& info) -> absl::Status {
+          const std::string companion = absl::StrCat(*base, AsAbsl(suffix));
+          if (!files_->keys().contains(companion)) return absl::OkStatus();
+          MOEFIT_ASSIGN_OR_RETURN(auto resolved_companion, files_->Resolve(companion));
+          file = resolved_companion.first;
+          info = resolved_companion.second;
+          return absl::OkStatus();
+        };
+        MOEFIT_RETURN_IF_ERROR(attach(kScaleSuffix, ref.scale_file, ref.scale_info));
+        MOEFIT_RETURN_IF_ERROR(attach(kShapeSuffix, ref.shape_file, ref.shape_info));
+        if (!options_.int4->symmetric) {
+          MOEFIT_RETURN_IF_ERROR(attach(kZeroPointSuffix, ref.zero_file, ref.zero_info));
+        }
       }
       plan.inputs[pattern_idx].push_back(ref);
       return absl::OkStatus();
@@ -483,10 +652,10 @@ class Loader {
       for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
         for (int64_t expert_idx = first; expert_idx < first + num; ++expert_idx) {
           const auto it = plan.keys[pattern_idx].find(expert_idx);
-          // A scale plan's gaps are its weight plan's to report.
+          // A companion plan's gaps are its weight plan's to report.
           if (it == plan.keys[pattern_idx].end() ||
-              (plan.scales && !files_->keys().contains(it->second))) {
-            if (!plan.scales) {
+              (plan.companion() && !files_->keys().contains(it->second))) {
+            if (!plan.companion()) {
               std::vector<int64_t> numbers = plan.numbers;
               numbers.push_back(expert_idx);
               report_.missing.push_back(rule.sources[pattern_idx].Fill(numbers));
@@ -501,25 +670,35 @@ class Loader {
       for (size_t pattern_idx = 0; pattern_idx < rule.sources.size(); ++pattern_idx) {
         const auto it = plan.keys[pattern_idx].find(0);
         if (it == plan.keys[pattern_idx].end() ||
-            (plan.scales && !files_->keys().contains(it->second))) {
-          if (!plan.scales) report_.missing.push_back(rule.sources[pattern_idx].Fill(plan.numbers));
+            (plan.companion() && !files_->keys().contains(it->second))) {
+          if (!plan.companion()) {
+            report_.missing.push_back(rule.sources[pattern_idx].Fill(plan.numbers));
+          }
           complete = false;
           continue;
         }
         MOEFIT_RETURN_IF_ERROR(add_input(pattern_idx, it->second));
       }
     }
-    for (const auto& refs : plan.inputs) {
-      for (const SourceRef& ref : refs) complete &= CheckFp8(plan, ref);
+    for (auto& refs : plan.inputs) {
+      for (SourceRef& ref : refs) {
+        complete &= CheckFp8(plan, ref);
+        complete &= CheckInt4(plan, ref);
+      }
     }
     if (complete && KeptFp8(plan)) complete = CheckKeptFp8(plan);
+    if (complete && KeptInt4(plan)) complete = CheckKeptInt4(plan);
     if (!complete) return absl::OkStatus();
+    // A zero-point target's sources have their weights' rows (8 per stored row).
+    const TargetPlan* weight_plan =
+        plan.part == Part::kInt4ZeroPoints ? &targets_.at(plan.weight) : nullptr;
 
     // Run the rule on meta tensors: the target's shape, or why it cannot be built.
     TensorGroups meta(plan.inputs.size());
     try {
       for (size_t pattern_idx = 0; pattern_idx < plan.inputs.size(); ++pattern_idx) {
-        for (const SourceRef& ref : plan.inputs[pattern_idx]) {
+        for (size_t idx = 0; idx < plan.inputs[pattern_idx].size(); ++idx) {
+          const SourceRef& ref = plan.inputs[pattern_idx][idx];
           const std::optional<at::ScalarType> type = ToScalarType(ref.info->dtype);
           if (!type) {
             report_.mismatched.push_back(absl::StrCat(ref.info->name, ": dtype ",
@@ -527,11 +706,23 @@ class Loader {
                                                       " has no torch equivalent"));
             return absl::OkStatus();
           }
-          // An FP8 source is planned as what it becomes: dequantized_dtype
-          // unless the model names a dtype (which replaces the plan's below).
-          at::Tensor t = at::empty(ref.info->shape,
-                                   at::TensorOptions().device(at::kMeta).dtype(
-                                       ref.is_fp8() ? options_.dequantized_dtype : *type));
+          // An FP8 or int4 source is planned as what it becomes:
+          // dequantized_dtype unless the model names a dtype (which replaces
+          // the plan's below); int4 in its logical shape, or, kept packed, as
+          // the bytes of its words; zero points one int8 per row.
+          const auto on_meta = at::TensorOptions().device(at::kMeta);
+          at::Tensor t;
+          if (weight_plan != nullptr) {
+            const int64_t rows = weight_plan->inputs[pattern_idx][idx].logical[0];
+            t = at::empty({rows, ref.info->shape[1]}, on_meta.dtype(at::kChar));
+          } else if (ref.int4 && KeptInt4(plan)) {
+            t = at::empty({ref.info->shape[0], ref.info->shape[1] * 4}, on_meta.dtype(at::kByte));
+          } else if (ref.int4) {
+            t = at::empty(ref.logical, on_meta.dtype(options_.dequantized_dtype));
+          } else {
+            t = at::empty(ref.info->shape,
+                          on_meta.dtype(ref.is_fp8() ? options_.dequantized_dtype : *type));
+          }
           if (rule.packed_experts) {
             const int64_t num_stored = t.dim() > 0 ? t.size(0) : 0;
             plan.first_row = options_.first_expert;
@@ -567,6 +758,14 @@ class Loader {
         report_.mismatched.push_back(absl::StrCat(plan.name, ": checkpoint gives ",
                                                   ShapeString(plan.shape), ", model expects ",
                                                   ShapeString(it->second.shape)));
+      }
+      // Kept int4's companions are what the kernels read: as stored, no conversion.
+      if (plan.dtype != it->second.dtype &&
+          (plan.part == Part::kInt4Scales || plan.part == Part::kInt4ZeroPoints)) {
+        report_.mismatched.push_back(absl::StrCat(
+            plan.name, ": the ", plan.part == Part::kInt4Scales ? "scales" : "zero points",
+            " of a target kept packed int4 are ", c10::toString(plan.dtype), ", model expects ",
+            c10::toString(it->second.dtype)));
       }
       plan.dtype = it->second.dtype;
     }
@@ -605,16 +804,162 @@ class Loader {
     }
     if (problems.empty()) return absl::OkStatus();
     SortNames(problems);
-    return absl::InvalidArgumentError(absl::StrCat("LoadCheckpoint(", dir_.string(), "): ",
-                                                   problems.size(), " unusable destinations: ",
-                                                   absl::StrJoin(problems, "; ")));
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadCheckpoint(", dir_.string(), "): ", problems.size(),
+                     " unusable destinations: ", absl::StrJoin(problems, "; ")));
   }
 
   // Whether the model keeps `plan`'s target in an FP8 dtype (its sources'
   // bytes as they are, their scales beside them).
   bool KeptFp8(const TargetPlan& plan) const {
     const auto it = options_.expected.find(plan.name);
-    return !plan.scales && it != options_.expected.end() && IsFp8Dtype(it->second.dtype);
+    return !plan.companion() && it != options_.expected.end() && IsFp8Dtype(it->second.dtype);
+  }
+
+  // Whether the model keeps `plan`'s target packed int4 (its sources' words
+  // as bytes, their scales and zero points beside them).
+  bool KeptInt4(const TargetPlan& plan) const {
+    const auto it = options_.expected.find(plan.name);
+    return options_.int4 && !plan.companion() && it != options_.expected.end() &&
+           it->second.dtype == at::kByte;
+  }
+
+  // A target kept packed int4 is built by the routed experts' rule (experts
+  // merged along dim 0, gate and up then joined along the rows: whole rows of
+  // bytes, so any width works) from int4 sources of one width with BF16
+  // scales, and its scales (and zero points) are expected too.
+  bool CheckKeptInt4(const TargetPlan& plan) {
+    const MappingRule& rule = *plan.rule;
+    const std::vector<ConversionOp>& ops = rule.ops;
+    const bool experts_rule =
+        !ops.empty() && ops[0].kind == Kind::kMergeModulelist && ops[0].dim == 0 &&
+        (ops.size() == 1 ||
+         (ops.size() == 2 && ops[1].kind == Kind::kConcatenate && ops[1].dim == 1));
+    if (!experts_rule) {
+      report_.mismatched.push_back(absl::StrCat(
+          plan.name, ": kept packed int4 (uint8), but its rule (", table_.file, ":", rule.line,
+          ") is not the routed experts' (experts merged along dim 0, then joined along the rows)"));
+      return false;
+    }
+    int64_t cols = -1;
+    for (const auto& refs : plan.inputs) {
+      for (const SourceRef& ref : refs) {
+        if (!ref.int4) {
+          report_.mismatched.push_back(absl::StrCat(
+              ref.info->name, ": stored as ", AsAbsl(DtypeName(ref.info->dtype)), ", but ",
+              plan.name, " is kept packed int4 (uint8), which needs pack-quantized sources"));
+          return false;
+        }
+        if (ref.scale_info->dtype != Dtype::kBF16) {
+          report_.mismatched.push_back(absl::StrCat(
+              ref.scale_info->name, ": ", AsAbsl(DtypeName(ref.scale_info->dtype)), " scales, but ",
+              plan.name, " is kept packed int4 with its scales as stored, which must be BF16"));
+          return false;
+        }
+        if (cols >= 0 && ref.logical[1] != cols) {
+          report_.mismatched.push_back(absl::StrCat(plan.name, ": kept packed int4, its parts are ",
+                                                    cols, " and ", ref.logical[1],
+                                                    " columns wide (", ref.info->name, ")"));
+          return false;
+        }
+        cols = ref.logical[1];
+      }
+    }
+    bool ok = true;
+    for (std::string_view suffix : {kScaleSuffix, kZeroPointSuffix}) {
+      if (suffix == kZeroPointSuffix && options_.int4->symmetric) continue;
+      const std::string companion = absl::StrCat(plan.name, AsAbsl(suffix));
+      if (!options_.expected.contains(companion)) {
+        report_.mismatched.push_back(absl::StrCat(
+            plan.name, ": kept packed int4, which is read with its ",
+            suffix == kScaleSuffix ? "scales" : "zero points", "; expect ", companion, " too"));
+        ok = false;
+      }
+    }
+    return ok;
+  }
+
+  // A packed int4 source has its scale, shape and (asymmetric) zero point, of
+  // the shapes its logical [rows, cols] -- read from the shape -- implies.
+  // Problems go to the report; false when there is one.
+  bool CheckInt4(const TargetPlan& plan, SourceRef& ref) {
+    if (!ref.int4) return true;
+    const TensorInfo& info = *ref.info;
+    if (plan.rule->packed_experts || info.dtype != Dtype::kI32 || info.shape.size() != 2) {
+      report_.mismatched.push_back(
+          absl::StrCat(info.name,
+                       ": pack-quantized int4 weights are read as I32 [rows, ceil(cols / 8)], one "
+                       "per Linear; this one is ",
+                       AsAbsl(DtypeName(info.dtype)), " ", ShapeString(info.shape),
+                       plan.rule->packed_experts ? " (packed experts)" : ""));
+      return false;
+    }
+    const std::string base = info.name.substr(0, info.name.size() - kPackedSuffix.size());
+    bool ok = true;
+    auto require = [&](const TensorInfo* companion, std::string_view suffix) {
+      if (companion != nullptr) return;
+      report_.missing.push_back(absl::StrCat(base, AsAbsl(suffix)));
+      ok = false;
+    };
+    require(ref.scale_info, kScaleSuffix);
+    require(ref.shape_info, kShapeSuffix);
+    if (!options_.int4->symmetric) require(ref.zero_info, kZeroPointSuffix);
+    if (ref.shape_info == nullptr) return false;
+
+    const TensorInfo& shape = *ref.shape_info;
+    if ((shape.dtype != Dtype::kI32 && shape.dtype != Dtype::kI64) ||
+        shape.shape != std::vector<int64_t>{2}) {
+      report_.mismatched.push_back(absl::StrCat(
+          shape.name, ": ", AsAbsl(DtypeName(shape.dtype)), " ", ShapeString(shape.shape),
+          ", the logical shape of ", info.name, " is 2 integers [rows, cols]"));
+      return false;
+    }
+    absl::StatusOr<at::Tensor> values =
+        ReadTensor(ref.shape_file->file, shape, {.dtype = at::kLong, .copy = true});
+    if (!values.ok()) {
+      report_.mismatched.push_back(absl::StrCat(shape.name, ": ", values.status().message()));
+      return false;
+    }
+    bytes_read_ += shape.num_bytes();
+    ++tensors_read_;
+    const int64_t rows = (*values)[0].item<int64_t>();
+    const int64_t cols = (*values)[1].item<int64_t>();
+    if (rows != info.shape[0] || cols <= 0 || PackedInt4Words(cols) != info.shape[1]) {
+      report_.mismatched.push_back(
+          absl::StrCat(shape.name, ": [", rows, ", ", cols, "] does not fit ", info.name, " ",
+                       ShapeString(info.shape), ", which holds [rows, ceil(cols / 8)] words"));
+      return false;
+    }
+    ref.logical = {rows, cols};
+    if (!ok) return false;
+
+    const int64_t group_size = options_.int4->group_size;
+    const std::vector<int64_t> groups = {rows, NumInt4Groups(cols, group_size)};
+    const TensorInfo& scale = *ref.scale_info;
+    if (scale.dtype != Dtype::kF32 && scale.dtype != Dtype::kBF16 && scale.dtype != Dtype::kF16) {
+      report_.mismatched.push_back(absl::StrCat(scale.name, ": dtype ",
+                                                AsAbsl(DtypeName(scale.dtype)),
+                                                ", an int4 scale must be F32, BF16 or F16"));
+      ok = false;
+    } else if (scale.shape != groups) {
+      report_.mismatched.push_back(
+          absl::StrCat(scale.name, ": checkpoint gives ", ShapeString(scale.shape),
+                       ", int4 weight ", info.name, " of [", rows, ", ", cols, "] in groups of ",
+                       group_size, " needs ", ShapeString(groups)));
+      ok = false;
+    }
+    if (ref.zero_info != nullptr) {
+      const TensorInfo& zero = *ref.zero_info;
+      const std::vector<int64_t> want = {PackedInt4Words(rows), groups[1]};
+      if (zero.dtype != Dtype::kI32 || zero.shape != want) {
+        report_.mismatched.push_back(absl::StrCat(
+            zero.name, ": checkpoint gives ", AsAbsl(DtypeName(zero.dtype)), " ",
+            ShapeString(zero.shape), ", int4 weight ", info.name, " of [", rows, ", ", cols,
+            "] in groups of ", group_size, " needs I32 ", ShapeString(want), " (8 rows per word)"));
+        ok = false;
+      }
+    }
+    return ok;
   }
 
   // A target kept in FP8 is built from FP8 sources of its own dtype by a rule
@@ -675,7 +1020,7 @@ class Loader {
       return false;
     }
     if (!ref.is_fp8()) {
-      report_.missing.push_back(absl::StrCat(info.name, AsAbsl(kScaleInvSuffix)));
+      report_.missing.push_back(info.name + options_.fp8_scale_suffix);
       return false;
     }
     const TensorInfo& scale = *ref.scale_info;
@@ -736,27 +1081,34 @@ class Loader {
       const std::string& name = wanted_[target_idx]->name;
       // The caller's own tensor, not the detached alias it was filled through.
       const auto dst = options_.destinations.find(name);
-      out.emplace(name, dst != options_.destinations.end() ? dst->second
-                                                           : std::move(results[target_idx]));
+      out.emplace(
+          name, dst != options_.destinations.end() ? dst->second : std::move(results[target_idx]));
     }
     return out;
   }
 
   absl::StatusOr<at::Tensor> ConvertOne(const TargetPlan& plan) {
     const MappingRule& rule = *plan.rule;
+    const bool kept_int4 = KeptInt4(plan);
     // Views cost nothing until touched; they serve the copies that cannot pread.
     TensorGroups views(plan.inputs.size());
     for (size_t pattern_idx = 0; pattern_idx < plan.inputs.size(); ++pattern_idx) {
       for (const SourceRef& ref : plan.inputs[pattern_idx]) {
         MOEFIT_ASSIGN_OR_RETURN(at::Tensor view, ReadTensor(ref.file->file, *ref.info));
         if (rule.packed_experts) view = view.narrow(0, plan.first_row, plan.num_rows);
+        // Kept packed: the words' bytes, as the target holds them.
+        if (ref.int4 && kept_int4) view = view.view(at::kByte);
         views[pattern_idx].push_back(std::move(view));
         bytes_read_ += SourceBytes(plan, ref).size();
         ++tensors_read_;
-        // A target kept in FP8 leaves its scales to their own target.
-        if (ref.is_fp8() && !IsFp8Dtype(plan.dtype)) {
-          bytes_read_ += ref.scale_info->num_bytes();
-          ++tensors_read_;
+        // A target kept in FP8 or packed int4 leaves its companions to their
+        // own targets.
+        if ((ref.is_fp8() && !IsFp8Dtype(plan.dtype)) || (ref.int4 && !kept_int4)) {
+          for (const TensorInfo* companion : {ref.scale_info, ref.zero_info}) {
+            if (companion == nullptr) continue;
+            bytes_read_ += companion->num_bytes();
+            ++tensors_read_;
+          }
         }
       }
     }
@@ -772,13 +1124,16 @@ class Loader {
         for (const auto& refs : plan.inputs) {
           for (const SourceRef& ref : refs) Prefetch(SourceBytes(plan, ref));
         }
-        // The ops work on values: FP8 sources are widened first, one at a time.
+        // The ops work on values: FP8 and int4 sources are widened first, one
+        // at a time.
         for (size_t pattern_idx = 0; pattern_idx < views.size(); ++pattern_idx) {
           for (size_t idx = 0; idx < views[pattern_idx].size(); ++idx) {
             const SourceRef& ref = plan.inputs[pattern_idx][idx];
-            if (!ref.is_fp8()) continue;
-            at::Tensor wide = at::empty(ref.info->shape, at::TensorOptions().dtype(at::kFloat));
-            MOEFIT_RETURN_IF_ERROR(Dequantize(wide, views[pattern_idx][idx], ref));
+            if (!ref.is_fp8() && !ref.int4) continue;
+            at::Tensor wide = at::empty(
+                ref.int4 ? at::IntArrayRef(ref.logical) : at::IntArrayRef(ref.info->shape),
+                at::TensorOptions().dtype(at::kFloat));
+            MOEFIT_RETURN_IF_ERROR(Place(wide, views[pattern_idx][idx], plan, ref));
             views[pattern_idx][idx] = std::move(wide);
           }
         }
@@ -794,9 +1149,20 @@ class Loader {
         return out;
       }
       // Merge (then concatenate on dim d): expert e's part p lands in out[e] at
-      // an offset along dim d - 1 of the expert's slice.
+      // an offset along dim d - 1 of the expert's slice, as wide as the part
+      // is once placed (an int4 source's logical shape, a zero point's rows).
       const int64_t num_experts = static_cast<int64_t>(views[0].size());
       const int64_t concat_dim = rule.ops.size() == 2 ? rule.ops[1].dim - 1 : -1;
+      const TargetPlan* weight_plan =
+          plan.part == Part::kInt4ZeroPoints ? &targets_.at(plan.weight) : nullptr;
+      auto placed_size = [&](size_t pattern_idx, int64_t expert_idx) {
+        const SourceRef& ref = plan.inputs[pattern_idx][expert_idx];
+        if (weight_plan != nullptr && concat_dim == 0) {
+          return weight_plan->inputs[pattern_idx][expert_idx].logical[0];
+        }
+        if (ref.int4 && !kept_int4) return ref.logical[concat_dim];
+        return views[pattern_idx][expert_idx].size(concat_dim);
+      };
       std::vector<absl::Status> statuses(num_experts);
       tbb::parallel_for(int64_t{0}, num_experts, [&](int64_t expert_idx) {
         at::Tensor slot = out.select(0, expert_idx);
@@ -805,8 +1171,9 @@ class Loader {
           const at::Tensor& part = views[pattern_idx][expert_idx];
           at::Tensor dst = slot;
           if (concat_dim >= 0) {
-            dst = slot.narrow(concat_dim, offset, part.size(concat_dim));
-            offset += part.size(concat_dim);
+            const int64_t size = placed_size(pattern_idx, expert_idx);
+            dst = slot.narrow(concat_dim, offset, size);
+            offset += size;
           }
           absl::Status placed = Place(dst, part, plan, plan.inputs[pattern_idx][expert_idx]);
           if (!placed.ok() && statuses[expert_idx].ok()) statuses[expert_idx] = placed;
@@ -827,6 +1194,8 @@ class Loader {
   // right after, so resident memory grows by the targets, not the files too.
   absl::Status Place(at::Tensor dst, const at::Tensor& view, const TargetPlan& plan,
                      const SourceRef& ref) {
+    if (plan.part == Part::kInt4ZeroPoints) return UnpackZeroPoints(dst, view, ref);
+    if (ref.int4 && at::isFloatingType(dst.scalar_type())) return DequantizeInt4(dst, view, ref);
     if (ref.is_fp8() && !IsFp8Dtype(dst.scalar_type())) return Dequantize(dst, view, ref);
     const std::span<const std::byte> bytes = SourceBytes(plan, ref);
     if (dst.is_contiguous() && dst.scalar_type() == view.scalar_type() &&
@@ -856,6 +1225,39 @@ class Loader {
       return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
                                                      ref.info->name, "\" with ",
                                                      ref.scale_info->name, ": ", done.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  // Dequantizes the packed int4 source `view` (a view of the mapping) into
+  // `dst` with the source's scales and zero points, row by row; its pages are
+  // dropped from this process after, as in Place.
+  absl::Status DequantizeInt4(at::Tensor dst, const at::Tensor& view, const SourceRef& ref) {
+    MOEFIT_ASSIGN_OR_RETURN(at::Tensor scale, ReadTensor(ref.scale_file->file, *ref.scale_info));
+    at::Tensor zero_point;
+    if (ref.zero_info != nullptr) {
+      MOEFIT_ASSIGN_OR_RETURN(zero_point, ReadTensor(ref.zero_file->file, *ref.zero_info));
+    }
+    const std::span<const std::byte> bytes = ref.file->file.TensorBytes(*ref.info);
+    Prefetch(bytes);
+    const absl::Status done =
+        DequantizePackedInt4Into(dst, view, scale, zero_point, options_.int4->group_size);
+    Release(bytes);
+    if (!done.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
+                                                     ref.info->name, "\" with ",
+                                                     ref.scale_info->name, ": ", done.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  // Unpacks one source's zero points (a view of the mapping) into `dst`.
+  static absl::Status UnpackZeroPoints(at::Tensor dst, const at::Tensor& view,
+                                       const SourceRef& ref) {
+    const absl::Status done = UnpackInt4ZeroPointsInto(dst, view);
+    if (!done.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
+                                                     ref.info->name, "\": ", done.message()));
     }
     return absl::OkStatus();
   }
@@ -910,7 +1312,7 @@ class Loader {
 
   std::optional<CheckpointDir> files_;
   std::map<std::string, TargetPlan, NaturalLessCompare> targets_;
-  // FP8 weight key -> its `_scale_inv` key.
+  // FP8 weight key -> its scale's key (`_scale_inv` or `_scale`).
   std::map<std::string, std::string> scales_;
   std::vector<TargetPlan*> wanted_;
   std::atomic<uint64_t> bytes_read_{0};
@@ -937,29 +1339,58 @@ std::string LoadReport::ProblemSummary() const {
   return out.empty() ? "no problems" : out;
 }
 
-absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family) {
-  MOEFIT_ASSIGN_OR_RETURN(MappingTable table, MappingTableFor(family));
-  MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
-  auto per_expert = [&](const std::string& key) {
+namespace {
+
+// The first on-disk key (natural order) of a per-expert weight of `table`'s
+// rules that merge experts, a packed `X.weight_packed` standing for its
+// `X.weight`; nullopt when the files have none.
+std::optional<std::string> FirstExpertWeight(const CheckpointDir& files,
+                                             const MappingTable& table) {
+  auto per_expert = [&](std::string_view name) {
     return std::any_of(table.rules.begin(), table.rules.end(), [&](const MappingRule& rule) {
       return rule.merges_experts() &&
              std::any_of(rule.sources.begin(), rule.sources.end(),
-                         [&](const KeyPattern& p) { return p.Match(key).has_value(); });
+                         [&](const KeyPattern& p) { return p.Match(name).has_value(); });
     });
   };
   for (const auto& [key, file_idx] : files.keys()) {
-    if (!per_expert(key)) continue;
-    MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(key));
-    return IsFp8Dtype(resolved.second->dtype) &&
-           files.keys().contains(absl::StrCat(key, AsAbsl(kScaleInvSuffix)));
+    std::string_view name = key;
+    if (name.ends_with(kPackedSuffix)) name.remove_suffix(kPackedSuffix.size());
+    if (per_expert(name)) return key;
   }
-  return false;
+  return std::nullopt;
+}
+
+}  // namespace
+
+absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family) {
+  MOEFIT_ASSIGN_OR_RETURN(MappingTable table, MappingTableFor(family));
+  MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
+  const std::optional<std::string> key = FirstExpertWeight(files, table);
+  if (!key) return false;
+  MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(*key));
+  return IsFp8Dtype(resolved.second->dtype) &&
+         (files.keys().contains(absl::StrCat(*key, AsAbsl(kScaleInvSuffix))) ||
+          files.keys().contains(absl::StrCat(*key, AsAbsl(kScaleSuffix))));
+}
+
+absl::StatusOr<bool> ExpertsStoredAsInt4(const std::filesystem::path& dir,
+                                         std::string_view family) {
+  MOEFIT_ASSIGN_OR_RETURN(MappingTable table, MappingTableFor(family));
+  MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
+  const std::optional<std::string> key = FirstExpertWeight(files, table);
+  if (!key || !key->ends_with(kPackedSuffix)) return false;
+  MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(*key));
+  const std::string base = key->substr(0, key->size() - kPackedSuffix.size());
+  return resolved.second->dtype == Dtype::kI32 &&
+         files.keys().contains(absl::StrCat(base, AsAbsl(kScaleSuffix)));
 }
 
 absl::StatusOr<at::ScalarType> StoredWeightDtype(const std::filesystem::path& dir) {
   MOEFIT_ASSIGN_OR_RETURN(CheckpointDir files, CheckpointDir::Scan(dir));
   std::map<at::ScalarType, int64_t> elements;
   for (const auto& [key, file_idx] : files.keys()) {
+    // Packed int4 weights end in `.weight_packed` and are integers: not counted.
     if (!key.ends_with(".weight") || absl::StrContains(key, "mlp.gate.")) continue;
     MOEFIT_ASSIGN_OR_RETURN(auto resolved, files.Resolve(key));
     const TensorInfo& info = *resolved.second;
@@ -996,6 +1427,15 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::file
     return absl::InvalidArgumentError(absl::StrCat("LoadCheckpoint(", dir.string(),
                                                    "): FP8 block size must be positive, got ",
                                                    ShapeString(options.fp8_block)));
+  }
+  if (options.fp8_scale_suffix.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("LoadCheckpoint(", dir.string(), "): empty FP8 scale suffix"));
+  }
+  if (options.int4 && options.int4->group_size <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("LoadCheckpoint(", dir.string(),
+                                                   "): int4 group size must be positive, got ",
+                                                   options.int4->group_size));
   }
   const auto start = std::chrono::steady_clock::now();
   LoadReport local_report;

@@ -19,21 +19,46 @@
 // counts the bytes actually read, so tests can check that a rank reads only
 // its own experts.
 //
-// Two things published checkpoints carry beyond the table's tensors:
+// What published checkpoints carry beyond the table's tensors:
 //   - Block-scaled FP8 weights (DeepSeek-V3, Kimi-K2; see fp8.h): an FP8 source
-//     `X` is planned together with its companion `X_scale_inv`, which is never a
-//     tensor of its own (no rule, never unexpected), and both are read only where
-//     the source is, so a rank reads only its own experts' FP8 bytes and scales.
-//     The weight is widened block by block straight into its place in the target
-//     (the target's dtype; BF16 when the caller names no dtype), never through
-//     an upcast copy of the file. An FP8 source without its scale is missing
-//     (the scale's name); a scale of the wrong shape is mismatched.
+//     `X` is planned together with its companion scale -- `X_scale_inv`, or
+//     `X_scale` in compressed-tensors' float-quantized checkpoints
+//     (LoadOptions::fp8_scale_suffix) -- which is never a tensor of its own (no
+//     rule, never unexpected), and both are read only where the source is, so
+//     a rank reads only its own experts' FP8 bytes and scales. The weight is
+//     widened block by block straight into its place in the target (the
+//     target's dtype; BF16 when the caller names no dtype), never through an
+//     upcast copy of the file. An FP8 source without its scale is missing (the
+//     scale's name); a scale of the wrong shape is mismatched.
 //     A target the caller expects in an FP8 dtype (a frozen base's routed
 //     experts) is kept as stored instead: its bytes are read as they are, and
 //     the expected `<target>_scale_inv` (float32) is built by the same rule
 //     from the sources' scales -- experts stacked, gate and up scales joined
 //     -- which needs every source but the last of a concatenation to fill
 //     whole blocks (DeepSeek-V3's moe_intermediate_size 2048 does).
+//   - Pack-quantized int4 weights (compressed-tensors: Kimi-K2-Thinking's
+//     routed experts; see compressed_tensors.h), read with LoadOptions::int4
+//     set: an on-disk `X.weight_packed` is the source `X.weight` the table
+//     names, and `X.weight_scale`, `X.weight_shape` and (asymmetric schemes)
+//     `X.weight_zero_point` are its companions, attached to it like an FP8
+//     scale: missing ones are missing by name, ill-shaped ones mismatched, and
+//     all are read only where the source is. The `_shape` companions (two
+//     integers each) are read while planning, as they hold the logical column
+//     count that the packed width only rounds up.
+//     A target expected in a floating dtype gets the values compressed-tensors'
+//     decompression gives (rounded to the scale's dtype, then converted),
+//     each source dequantized straight into its place; with `expected` empty,
+//     in dequantized_dtype.
+//     A target expected as uint8 (at::kByte) is kept packed: [E, rows,
+//     ceil(cols / 8) * 4], each row the bytes of its int32 words as stored
+//     (element c is nibble c, low nibble first, holding q + 8), read with
+//     pread(). Its companions are further targets the caller expects:
+//     `<target>_scale`, bfloat16 [E, rows, ceil(cols / group_size)], the
+//     scales as stored (a BF16 scale is required), and, asymmetric only,
+//     `<target>_zero_point`, int8 [E, rows, ceil(cols / group_size)], the zero
+//     points unpacked to one signed value per (row, group). Only the routed
+//     experts' rules (experts merged, then gate and up joined along the rows)
+//     can keep int4; another rule on such a target is mismatched.
 //   - Multi-token-prediction modules stored as one more decoder layer
 //     (DeepSeek-V3's model.layers.61, GLM-4.5's model.layers.92): with
 //     skip_layers_from set, such keys are skipped by name before matching.
@@ -52,6 +77,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "checkpoint/compressed_tensors.h"
 #include "checkpoint/fp8.h"
 #include "checkpoint/mapping_table.h"
 
@@ -75,17 +101,29 @@ struct LoadOptions {
   // Targets being converted at once, which bounds the extra memory; 0: num_threads.
   int max_targets_in_flight = 0;
   // Runtime name -> shape and dtype. Empty: load every target the files give, in
-  // their stored dtype (dequantized_dtype for FP8 sources), and report
+  // their stored dtype (dequantized_dtype for FP8 and int4 sources), and report
   // only incomplete targets as missing. Non-empty:
   // load exactly these; checkpoint tensors that feed nothing here are unexpected.
   // A target expected in an FP8 dtype is kept in FP8 (see above) and may be
-  // joined by its `<target>_scale_inv`, float32 of the block grid's shape.
+  // joined by its `<target>_scale_inv`, float32 of the block grid's shape; one
+  // expected as uint8 over int4 sources is kept packed, joined by its
+  // `<target>_scale` (bfloat16) and, asymmetric, `<target>_zero_point` (int8).
   std::map<std::string, ExpectedTensor> expected;
   // Block [rows, columns] of block-scaled FP8 sources (config.json's
-  // quantization_config.weight_block_size): every FP8 source `X` [out, in] needs
-  // `X_scale_inv` [ceil(out / fp8_block[0]), ceil(in / fp8_block[1])].
+  // quantization_config.weight_block_size, or a compressed-tensors scheme's
+  // block_structure): every FP8 source `X` [out, in] needs its scale
+  // `X<fp8_scale_suffix>` [ceil(out / fp8_block[0]), ceil(in / fp8_block[1])].
   std::array<int64_t, 2> fp8_block = kDefaultFp8Block;
-  // Dtype of targets built from FP8 sources when `expected` names none.
+  // How an FP8 weight's scale is named: `X_scale_inv` (DeepSeek-V3, Kimi-K2) or
+  // `X_scale` (compressed-tensors' float-quantized format, kScaleSuffix). The
+  // same value either way: the weight is fp8 * scale.
+  std::string fp8_scale_suffix = std::string(kScaleInvSuffix);
+  // Set for compressed-tensors pack-quantized checkpoints: `X.weight_packed`
+  // sources with their companions (see above), in groups of group_size
+  // columns, with zero points unless symmetric. nullopt: such keys match no
+  // rule and are unexpected.
+  std::optional<PackedInt4Format> int4;
+  // Dtype of targets built from FP8 or int4 sources when `expected` names none.
   at::ScalarType dequantized_dtype = at::kBFloat16;
   // When set, on-disk keys `model.layers.N.<anything>` with N >= this are
   // skipped by name: never matched, never read, listed in LoadReport::skipped.
@@ -123,13 +161,15 @@ struct LoadReport {
   // rule could not be applied to the stored shapes).
   std::vector<std::string> mismatched;
   // On-disk tensors matched by the table's ignore patterns (with their
-  // `_scale_inv` companions).
+  // companions: FP8 scales, int4 scales, shapes and zero points).
   std::vector<std::string> ignored;
   // On-disk tensors of layers at or past LoadOptions::skip_layers_from, unread.
   std::vector<std::string> skipped;
 
   int64_t num_files_opened = 0;
-  int64_t num_tensors_read = 0;    // source tensors (or packed slices) and FP8 scales read
+  // Source tensors (or packed slices) and their companions (FP8 and int4
+  // scales, int4 shapes and zero points) read.
+  int64_t num_tensors_read = 0;
   uint64_t num_bytes_read = 0;     // bytes of tensor data read from the files
   int64_t num_global_experts = 0;  // largest expert index seen + 1 (0 if none)
   double seconds = 0;
@@ -141,7 +181,8 @@ struct LoadReport {
 
 // Loads the checkpoint in `dir` with `family`'s compiled-in table (see above).
 // Errors: NotFound for an unknown family or an empty directory; InvalidArgument
-// for a negative expert slice or a non-positive fp8_block, and naming every
+// for a negative expert slice, a non-positive fp8_block or int4 group size, an
+// empty fp8_scale_suffix, and naming every
 // problem of the report (which is filled in either way when given);
 // I/O and format errors naming the file and tensor.
 absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::filesystem::path& dir,
@@ -158,16 +199,25 @@ absl::StatusOr<std::map<std::string, at::Tensor>> LoadCheckpoint(const std::file
 // Whether the checkpoint in `dir` stores `family`'s routed experts
 // block-scaled FP8, as a target expected in an FP8 dtype keeps them: its
 // first per-expert weight (the first key, in natural order, of a rule that
-// merges experts) is F8_E4M3 with a `_scale_inv` beside it. false without
-// per-expert weights, or where they were converted to another dtype (a
+// merges experts) is F8_E4M3 with a `_scale_inv` or `_scale` beside it. false
+// without per-expert weights, or where they were converted to another dtype (a
 // bfloat16 conversion may keep config.json's quantization_config). Reads the
 // index or the files' headers, as LoadCheckpoint does, and no tensor data.
 absl::StatusOr<bool> ExpertsStoredAsFp8(const std::filesystem::path& dir, std::string_view family);
 
+// Whether the checkpoint in `dir` stores `family`'s routed experts
+// pack-quantized int4, as a target expected as uint8 keeps them: its first
+// per-expert weight is an I32 `X.weight_packed` with an `X.weight_scale` beside
+// it. false otherwise (no per-expert weights, or stored in a float dtype).
+// Reads headers only, as ExpertsStoredAsFp8.
+absl::StatusOr<bool> ExpertsStoredAsInt4(const std::filesystem::path& dir, std::string_view family);
+
 // The dtype most of the checkpoint's weight matrices are stored in: over its
 // 2-D floating `.weight` tensors other than routers (`mlp.gate.weight`, often
 // kept wider), the dtype that holds the most elements (FP8 included as
-// float8_e4m3fn). Finds the files as LoadCheckpoint does (the index, or every
+// float8_e4m3fn). Packed int4 weights (`.weight_packed`, integers) are not
+// among them: an int4 checkpoint's answer is its dense weights' dtype
+// (bfloat16 for Kimi-K2-Thinking). Finds the files as LoadCheckpoint does (the index, or every
 // shard's header) and reads no tensor data. InvalidArgument, naming `dir`,
 // when there is no such tensor.
 absl::StatusOr<at::ScalarType> StoredWeightDtype(const std::filesystem::path& dir);

@@ -42,6 +42,8 @@ std::vector<std::string> AllGatherStrings(parallel::Communicator& comm, const st
 
 void SetCheckpointFormat(const ModelOptions& o, checkpoint::LoadOptions& load) {
   if (o.fp8_weight_block) load.fp8_block = *o.fp8_weight_block;
+  load.fp8_scale_suffix = o.fp8_scale_suffix;
+  load.int4 = o.int4_weights;
   // They follow the decoder layers: DeepSeek-V3's model.layers.61, GLM-4.5's
   // model.layers.92.
   if (o.num_nextn_predict_layers > 0) {
@@ -66,6 +68,8 @@ std::string DtypeName(at::ScalarType t) {
 }
 
 absl::StatusOr<at::ScalarType> CheckpointBaseDtype(const std::string& dir) {
+  // Packed int4 weights are not among the weights counted: an int4
+  // checkpoint's base is its dense weights' dtype.
   MOEFIT_ASSIGN_OR_RETURN(const at::ScalarType stored, checkpoint::StoredWeightDtype(dir));
   if (stored == at::kBFloat16 || stored == at::kFloat8_e4m3fn) return at::kBFloat16;
   return at::kFloat;

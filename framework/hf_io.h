@@ -23,9 +23,9 @@
 namespace moefit::framework {
 
 // What loading a checkpoint of a model with `options` needs whoever loads it:
-// the FP8 block size of its quantization_config, and its multi-token-
-// prediction layers [num_hidden_layers, + num_nextn_predict_layers) skipped by
-// name.
+// the FP8 block size and scale name of its quantization_config, its
+// pack-quantized int4 scheme, and its multi-token-prediction layers
+// [num_hidden_layers, + num_nextn_predict_layers) skipped by name.
 void SetCheckpointFormat(const ModelOptions& options, checkpoint::LoadOptions& load);
 
 // The name config.json gives a weight dtype: bfloat16, float16, or float32

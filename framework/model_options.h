@@ -22,6 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/compressed_tensors.h"
+
 namespace moefit::framework {
 
 // Rotary embedding frequencies (HF rope_scaling / rope_parameters).
@@ -104,6 +106,13 @@ struct ModelOptions {
   // The checkpoint's Linear weights are FP8 (e4m3) with one scale per block
   // of [rows, cols]; nullopt = not quantized.
   std::optional<std::array<int64_t, 2>> fp8_weight_block;
+  // What an FP8 weight X's scale is called: X_scale_inv (quantization_config
+  // "fp8", DeepSeek-V3's) or X_scale (compressed-tensors' float-quantized).
+  std::string fp8_scale_suffix = "_scale_inv";
+  // The checkpoint's targeted Linear weights (Kimi-K2-Thinking: the routed
+  // experts) are compressed-tensors pack-quantized int4 in this scheme;
+  // nullopt = none are.
+  std::optional<checkpoint::PackedInt4Format> int4_weights;
 
   // Whether decoder layer `layer_idx` has routed experts (else a dense MLP):
   // qwen's rule (mlp_only_layers, decoder_sparse_step) and deepseek's

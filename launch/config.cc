@@ -519,13 +519,198 @@ absl::Status ResolveRope(const proto::ModelConfig& m, framework::ModelOptions& o
   return absl::OkStatus();
 }
 
-// quantization_config: FP8 e4m3 block-scaled checkpoints, dequantized on load.
+// A google.protobuf.Value as config.json wrote it, for messages.
+std::string JsonText(const google::protobuf::Value& v) {
+  std::string out;
+  if (!pb::util::MessageToJsonString(v, &out).ok()) return "?";
+  return out;
+}
+
+bool IsNull(const google::protobuf::Value& v) {
+  return v.kind_case() == google::protobuf::Value::KIND_NOT_SET ||
+         v.kind_case() == google::protobuf::Value::kNullValue;
+}
+
+// quant_method "compressed-tensors": the schemes moefit reads, weight-only,
+// stored compressed -- pack-quantized int4 in groups (Kimi-K2-Thinking's
+// routed experts) and float-quantized FP8 in blocks -- each with the
+// library's defaults for what a group leaves out. Anything else is refused
+// naming its field.
+absl::Status ResolveCompressedTensors(const proto::QuantizationConfig& q,
+                                      framework::ModelOptions& o) {
+  const std::string top = "model.quantization_config";
+  auto bad = [](const std::string& field, const std::string& value, const std::string& why) {
+    return Invalid(absl::StrCat(field, " = ", value, ": ", why));
+  };
+  auto quoted = [](const std::string& text) { return absl::StrCat("'", text, "'"); };
+  for (const auto& [name, value] : {std::pair<const char*, const google::protobuf::Value*>{
+                                        "sparsity_config", &q.sparsity_config()},
+                                    {"transform_config", &q.transform_config()},
+                                    {"moe_sparsity_config", &q.moe_sparsity_config()}}) {
+    if (!IsNull(*value)) {
+      return bad(absl::StrCat(top, ".", name), JsonText(*value),
+                 "moefit reads quantized weights as stored, without sparsity, transforms or "
+                 "pruned experts");
+    }
+  }
+  if (q.has_kv_cache_scheme()) {
+    return Invalid(absl::StrCat(top,
+                                ".kv_cache_scheme is set: moefit does not quantize the attention's "
+                                "keys and values (it must be null)"));
+  }
+  // The library's default status: not yet compressed.
+  const std::string status = q.has_quantization_status() ? q.quantization_status() : "initialized";
+  if (status != "compressed") {
+    return bad(top + ".quantization_status", quoted(status),
+               "moefit reads checkpoints stored compressed (\"compressed\")");
+  }
+  if (q.config_groups().empty()) {
+    return Invalid(absl::StrCat(top, ".config_groups is empty: no quantized weights to read"));
+  }
+  std::vector<std::string> names;
+  for (const auto& [name, scheme] : q.config_groups()) names.push_back(name);
+  std::sort(names.begin(), names.end());
+  std::optional<checkpoint::PackedInt4Format> int4;
+  std::optional<std::array<int64_t, 2>> block;
+  std::string int4_group, block_group;
+  for (const std::string& name : names) {
+    const proto::CompressedTensorsScheme& scheme = q.config_groups().at(name);
+    const std::string group = absl::StrCat(top, ".config_groups.", name);
+    for (const auto& [field, set] :
+         {std::pair<const char*, bool>{"input_activations", scheme.has_input_activations()},
+          {"output_activations", scheme.has_output_activations()}}) {
+      if (set) {
+        return Invalid(absl::StrCat(group, ".", field,
+                                    " is set: moefit reads weight-only quantization (it must be "
+                                    "null)"));
+      }
+    }
+    if (!scheme.has_weights()) {
+      return Invalid(absl::StrCat(group, ".weights is missing: the group quantizes no weights"));
+    }
+    const bool own_format = scheme.has_format();
+    const std::string format_field = own_format ? group + ".format" : top + ".format";
+    const bool has_format = own_format || q.has_format();
+    const std::string format = own_format ? scheme.format() : q.format();
+    const proto::CompressedTensorsArgs& w = scheme.weights();
+    const std::string args = group + ".weights";
+    const std::string type = w.has_type() ? w.type() : "int";
+    const int64_t num_bits = w.has_num_bits() ? w.num_bits() : 8;
+    const bool symmetric = !w.has_symmetric() || w.symmetric();
+    const int64_t group_size = w.has_group_size() ? w.group_size() : 0;
+    std::string strategy = w.has_strategy() ? w.strategy() : "";
+    if (strategy.empty()) {
+      strategy = group_size > 0 ? "group" : group_size == -1 ? "channel" : "tensor";
+    }
+    if (w.has_dynamic() && !IsNull(w.dynamic()) &&
+        !(w.dynamic().has_bool_value() && !w.dynamic().bool_value())) {
+      return bad(args + ".dynamic", JsonText(w.dynamic()),
+                 "dynamic quantization stores no quantized weights; moefit reads static ones "
+                 "(false)");
+    }
+    if (w.has_actorder() && !IsNull(w.actorder())) {
+      const google::protobuf::Value& order = w.actorder();
+      const bool calibration_only =
+          (order.has_bool_value() && !order.bool_value()) ||
+          (order.has_string_value() &&
+           (order.string_value() == "weight" || order.string_value() == "static"));
+      if (!calibration_only) {
+        return bad(args + ".actorder", JsonText(order),
+                   "this activation order stores permuted columns (weight_g_idx), which moefit "
+                   "does not read (null, \"weight\" or \"static\")");
+      }
+    }
+    if (w.has_scale_dtype() && w.scale_dtype() != "torch.bfloat16" &&
+        w.scale_dtype() != "torch.float16" && w.scale_dtype() != "torch.float32") {
+      return bad(args + ".scale_dtype", quoted(w.scale_dtype()),
+                 "moefit reads scales in torch.bfloat16, torch.float16 or torch.float32");
+    }
+    if (format == "pack-quantized") {
+      if (type != "int") {
+        return bad(args + ".type", quoted(type),
+                   "pack-quantized weights are read as integers (int)");
+      }
+      if (num_bits != 4) {
+        return bad(args + ".num_bits", absl::StrCat(num_bits),
+                   "pack-quantized weights are read as 4-bit integers");
+      }
+      if (strategy != "group") {
+        return bad(args + ".strategy", quoted(strategy),
+                   "pack-quantized int4 is read with one scale per group of inputs (group)");
+      }
+      if (group_size <= 0) {
+        return bad(args + ".group_size", w.has_group_size() ? absl::StrCat(group_size) : "null",
+                   "strategy group needs a positive group size");
+      }
+      if (!symmetric && w.has_zp_dtype() && w.zp_dtype() != "torch.int8") {
+        return bad(args + ".zp_dtype", quoted(w.zp_dtype()),
+                   "pack-quantized zero points are packed 4-bit integers (torch.int8)");
+      }
+      const checkpoint::PackedInt4Format format_of_group{.group_size = group_size,
+                                                         .symmetric = symmetric};
+      if (int4 && (int4->group_size != group_size || int4->symmetric != symmetric)) {
+        return Invalid(absl::StrCat(
+            group, ": int4 in groups of ", group_size, symmetric ? ", symmetric" : ", asymmetric",
+            ", but config_groups.", int4_group, " is in groups of ", int4->group_size,
+            int4->symmetric ? ", symmetric" : ", asymmetric",
+            ": moefit reads one pack-quantized scheme per checkpoint"));
+      }
+      int4 = format_of_group;
+      int4_group = name;
+    } else if (format == "float-quantized") {
+      if (type != "float") {
+        return bad(args + ".type", quoted(type),
+                   "float-quantized weights are read as 8-bit floats (float)");
+      }
+      if (num_bits != 8) {
+        return bad(args + ".num_bits", absl::StrCat(num_bits),
+                   "float-quantized weights are read as FP8 (e4m3)");
+      }
+      if (strategy != "block") {
+        return bad(args + ".strategy", quoted(strategy),
+                   "float-quantized FP8 is read with one scale per block (block)");
+      }
+      if (!symmetric) {
+        return bad(args + ".symmetric", "false", "FP8 weights are read without zero points");
+      }
+      if (w.block_structure_size() != 2 || w.block_structure(0) <= 0 || w.block_structure(1) <= 0) {
+        return bad(args + ".block_structure",
+                   absl::StrCat("[", absl::StrJoin(w.block_structure(), ", "), "]"),
+                   "must be two positive sizes [rows, cols]");
+      }
+      const std::array<int64_t, 2> b = {w.block_structure(0), w.block_structure(1)};
+      if (block && *block != b) {
+        return Invalid(absl::StrCat(group, ": FP8 blocks of [", b[0], ", ", b[1],
+                                    "], but config_groups.", block_group, "'s are [", (*block)[0],
+                                    ", ", (*block)[1],
+                                    "]: moefit reads one FP8 block size per checkpoint"));
+      }
+      block = b;
+      block_group = name;
+    } else {
+      return bad(format_field, has_format ? quoted(format) : "(not set)",
+                 "moefit reads compressed-tensors' pack-quantized (int4) and float-quantized "
+                 "(FP8 blocks) formats");
+    }
+  }
+  o.int4_weights = int4;
+  if (block) {
+    o.fp8_weight_block = block;
+    o.fp8_scale_suffix = std::string(checkpoint::kScaleSuffix);
+  }
+  return absl::OkStatus();
+}
+
+// quantization_config: FP8 e4m3 block-scaled checkpoints (dequantized on
+// load, or kept for frozen experts), or compressed-tensors' schemes above.
 absl::Status ResolveQuantization(const proto::ModelConfig& m, framework::ModelOptions& o) {
   if (!m.has_quantization_config()) return absl::OkStatus();
   const proto::QuantizationConfig& q = m.quantization_config();
+  if (q.quant_method() == "compressed-tensors") return ResolveCompressedTensors(q, o);
   if (q.quant_method() != "fp8") {
     return Invalid(absl::StrCat("model.quantization_config.quant_method = '", q.quant_method(),
-                                "' is not supported (moefit reads fp8 block-scaled checkpoints)"));
+                                "' is not supported (moefit reads fp8 block-scaled and "
+                                "compressed-tensors checkpoints)"));
   }
   if (!q.fmt().empty() && q.fmt() != "e4m3") {
     return Invalid(

@@ -99,7 +99,7 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
       return absl::InvalidArgumentError(absl::StrCat(
           "experts.dtype = 'float8_e4m3fn' keeps the routed experts of a block-scaled FP8 "
           "checkpoint as stored; those of ",
-          run.model_path, " are not FP8 with _scale_inv scales"));
+          run.model_path, " are not FP8 with block scales (_scale_inv or _scale)"));
     }
   }
   // Weights that are loaded next are only allocated: no random draw, and the

@@ -18,7 +18,7 @@ jobs=${MOEFIT_JOBS:-$(nproc)}
 
 # Versions of the Python side, pinned so every machine builds on the same LibTorch.
 torch_spec="torch==2.15.0"
-py_clients=(transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 tensorboard==2.21.0 pytest numpy)
+py_clients=(transformers==5.24.0 peft==0.21.2 safetensors==0.8.0 tensorboard==2.21.0 compressed-tensors==0.20.1 pytest numpy)
 
 die() { echo "moefit setup: $*" >&2; exit 1; }
 

@@ -8,12 +8,15 @@
 //                                 the pytest rebuilds the same tensors in Python)
 //   safetensors_tool load DIR FAMILY OUT [--dtype float32|bfloat16]
 //       [--first-expert N --num-experts M] [--fp8-block B0,B1] [--skip-layers-from N]
+//       [--fp8-scale-suffix SUFFIX] [--int4 GROUP_SIZE,symmetric|asymmetric]
 //                                 LoadCheckpoint of DIR with FAMILY's table; writes
 //                                 the runtime tensors to the file OUT and prints
-//                                 the LoadReport as JSON (test_fp8.py). With
-//                                 --dtype every floating target is asked for in
-//                                 that dtype (a first, dtype-less load gives
-//                                 the shapes).
+//                                 the LoadReport as JSON (test_fp8.py,
+//                                 test_compressed_tensors.py). With --dtype
+//                                 every floating target is asked for in that
+//                                 dtype (a first, dtype-less load gives the
+//                                 shapes); --int4 reads compressed-tensors
+//                                 pack-quantized weights (LoadOptions::int4).
 //   safetensors_tool export SRC FAMILY DST
 //                                 LoadCheckpoint, then SaveCheckpoint to the
 //                                 directory DST (test_export_families.py)
@@ -207,6 +210,12 @@ int Load(const std::vector<std::string>& args) {
     } else if (flag == "--fp8-block" && value.find(',') != std::string::npos) {
       options.fp8_block = {std::stoll(value.substr(0, value.find(','))),
                            std::stoll(value.substr(value.find(',') + 1))};
+    } else if (flag == "--fp8-scale-suffix") {
+      options.fp8_scale_suffix = value;
+    } else if (flag == "--int4" &&
+               (value.ends_with(",symmetric") || value.ends_with(",asymmetric"))) {
+      options.int4 = PackedInt4Format{.group_size = std::stoll(value.substr(0, value.find(','))),
+                                      .symmetric = value.ends_with(",symmetric")};
     } else {
       std::cerr << "load: bad flag " << flag << " " << value << "\n";
       return 2;

@@ -115,3 +115,55 @@ def test_inspect_missing_path(build_dir, tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "no such file or directory" in out.stderr
+
+
+def test_inspect_compressed_tensors_int4_counts_like_transformers(build_dir, tmp_path):
+    """Kimi-K2-Thinking's layout: routed experts pack-quantized int4 by the
+    compressed-tensors library. Packed weights count by their logical shapes
+    (8 values per int32), not by their words; scales and shapes are no
+    parameters; the quantization format is shown."""
+    from compressed_tensors.quantization import QuantizationConfig
+    from test_compressed_tensors import compress, scheme_of
+
+    config = DeepseekV3Config(vocab_size=300, hidden_size=32, intermediate_size=64,
+                              moe_intermediate_size=8, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=4, n_routed_experts=256, num_experts_per_tok=8,
+                              n_group=8, topk_group=4, first_k_dense_replace=1, q_lora_rank=24,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    torch.manual_seed(0)
+    model = DeepseekV3ForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf", max_shard_size="300KB")
+    total = sum(p.numel() for p in model.parameters())
+    routed = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    active = total - routed + routed * 8 / 256
+
+    scheme = scheme_of(8, True)
+    tensors, packed_words = {}, 0
+    for f in (tmp_path / "bf").glob("*.safetensors"):
+        for name, t in load_file(str(f)).items():
+            if ".mlp.experts." in name:
+                for suffix, c in compress(t, scheme).items():
+                    tensors[name[:-len("weight")] + suffix] = c
+                packed_words += tensors[name + "_packed"].numel()
+            else:
+                tensors[name] = t
+    hf_config = json.loads((tmp_path / "bf" / "config.json").read_text())
+    hf_config["quantization_config"] = QuantizationConfig(
+        config_groups={"group_0": scheme}, format="pack-quantized", quantization_status="compressed",
+        ignore=["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]).model_dump()
+    (tmp_path / "int4").mkdir()
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(hf_config))
+    # The shapes in a file of their own: they are found wherever they are.
+    save_file({n: t for n, t in tensors.items() if not n.endswith("_shape")},
+              str(tmp_path / "int4" / "model-00001-of-00002.safetensors"))
+    save_file({n: t for n, t in tensors.items() if n.endswith("_shape")},
+              str(tmp_path / "int4" / "model-00002-of-00002.safetensors"))
+
+    got_total, got_active, text = inspect_counts(build_dir, tmp_path / "int4")
+    # Counting the words instead (1/8 of the routed experts) would be far off.
+    assert packed_words * 8 == routed
+    assert abs(got_total - total) <= 51 and abs(got_active - active) <= 51, text
+    assert "quantization: compressed-tensors pack-quantized int4, group 8, symmetric" in text, text
+    assert re.search(r"int4 [0-9.]+K", text), text
+    assert "quantization scales, zero points and shapes (*.weight_scale, *.weight_shape)" in text, text
+    assert "3 layers, 2 with routed experts" in text

@@ -267,7 +267,7 @@ TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
   path = DeepseekJsonWith("k4.json", R"("quant_method": "fp8")", R"("quant_method": "gptq")");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
             "model.quantization_config.quant_method = 'gptq' is not supported (moefit reads fp8 "
-            "block-scaled checkpoints)");
+            "block-scaled and compressed-tensors checkpoints)");
   path = DeepseekJsonWith("k6.json", R"("seq_aux": true)", R"("seq_aux": false)");
   EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}),
             "model.seq_aux = false: moefit implements only the sequence-wise balance loss of "
@@ -277,6 +277,170 @@ TEST(ConfigErrors, ConfigJsonKeysAreUsedOrListed) {
             path +
                 ": sliding_window = 4096 is not supported: moefit has no sliding-window "
                 "attention (set it to null)");
+}
+
+// The quantization_config of DeepSeek-V3's config.json above, as it is in the file.
+constexpr char kFp8QuantizationConfig[] =
+    R"("quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                          "weight_block_size": [128, 128]})";
+
+// Kimi-K2-Thinking's group: int4 routed experts in groups of 32, as its
+// config.json writes it (the library's QuantizationArgs dump).
+constexpr char kKimiThinkingGroup[] = R"({
+      "input_activations": null, "output_activations": null, "targets": ["Linear"],
+      "weights": {"actorder": null, "block_structure": null, "dynamic": false, "group_size": 32,
+                  "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                  "symmetric": true, "type": "int"}})";
+
+// DeepSeek-V3's config.json above with a compressed-tensors
+// quantization_config: `groups` (the config_groups object's inside) and the
+// top-level `format`, plus any `extra` top-level keys.
+std::string CompressedTensorsJson(const std::string& name, const std::string& groups,
+                                  const std::string& format = "pack-quantized",
+                                  const std::string& extra = "") {
+  return DeepseekJsonWith(
+      name, kFp8QuantizationConfig,
+      R"("quantization_config": {"config_groups": {)" + groups + R"(}, "format": ")" + format +
+          R"(", "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+              "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"], "kv_cache_scheme": null,
+              "quant_method": "compressed-tensors", "quantization_status": "compressed")" +
+          extra + "}");
+}
+
+std::string KimiThinkingJson(const std::string& name, const std::string& from = "",
+                             const std::string& to = "", const std::string& extra = "") {
+  const std::string group =
+      from.empty() ? kKimiThinkingGroup : ReplaceFirst(kKimiThinkingGroup, from, to);
+  return CompressedTensorsJson(name, R"("group_0": )" + group, "pack-quantized", extra);
+}
+
+TEST(Config, CompressedTensorsInt4AndFp8Blocks) {
+  absl::StatusOr<RunConfig> r = Resolve("", {"model.config_json=" + KimiThinkingJson("ct1.json")});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->model.int4_weights.has_value());
+  EXPECT_EQ(r->model.int4_weights->group_size, 32);
+  EXPECT_TRUE(r->model.int4_weights->symmetric);
+  EXPECT_FALSE(r->model.fp8_weight_block.has_value());
+  EXPECT_EQ(r->model.fp8_scale_suffix, "_scale_inv");
+
+  // Asymmetric, groups of 128, the zero points' dtype named.
+  const std::string asymmetric =
+      ReplaceFirst(ReplaceFirst(kKimiThinkingGroup, R"("group_size": 32)", R"("group_size": 128)"),
+                   R"("symmetric": true)", R"("symmetric": false, "zp_dtype": "torch.int8")");
+  r = Resolve("", {"model.config_json=" +
+                   CompressedTensorsJson("ct2.json", R"("group_0": )" + asymmetric)});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->model.int4_weights.has_value());
+  EXPECT_EQ(r->model.int4_weights->group_size, 128);
+  EXPECT_FALSE(r->model.int4_weights->symmetric);
+
+  // llm-compressor's FP8 blocks: the DeepSeek FP8 path, scales named X_scale.
+  const std::string fp8_group = R"("group_0": {"input_activations": null,
+      "output_activations": null, "targets": ["Linear"], "format": "float-quantized",
+      "weights": {"num_bits": 8, "type": "float", "symmetric": true, "group_size": null,
+                  "strategy": "block", "block_structure": [128, 64], "dynamic": false}})";
+  r = Resolve(
+      "", {"model.config_json=" + CompressedTensorsJson("ct3.json", fp8_group, "float-quantized")});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(r->model.fp8_weight_block.has_value());
+  EXPECT_EQ((*r->model.fp8_weight_block)[0], 128);
+  EXPECT_EQ((*r->model.fp8_weight_block)[1], 64);
+  EXPECT_EQ(r->model.fp8_scale_suffix, "_scale");
+  EXPECT_FALSE(r->model.int4_weights.has_value());
+
+  // Both, each group with its own format.
+  r = Resolve("",
+              {"model.config_json=" +
+               CompressedTensorsJson("ct4.json",
+                                     fp8_group + R"(, "group_1": )" +
+                                         ReplaceFirst(kKimiThinkingGroup, R"("targets")",
+                                                      R"("format": "pack-quantized", "targets")"),
+                                     "mixed-precision")});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->model.fp8_weight_block.has_value());
+  EXPECT_TRUE(r->model.int4_weights.has_value());
+}
+
+TEST(ConfigErrors, CompressedTensorsSchemesMoefitDoesNotReadAreNamed) {
+  const std::string weights = "model.quantization_config.config_groups.group_0.weights";
+  struct Case {
+    std::string from, to, extra, message;
+  };
+  const std::vector<Case> cases = {
+      {R"("num_bits": 4)", R"("num_bits": 8)", "",
+       weights + ".num_bits = 8: pack-quantized weights are read as 4-bit integers"},
+      {R"("type": "int")", R"("type": "float")", "",
+       weights + ".type = 'float': pack-quantized weights are read as integers (int)"},
+      {R"("strategy": "group")", R"("strategy": "channel")", "",
+       weights + ".strategy = 'channel': pack-quantized int4 is read with one scale per group of "
+                 "inputs (group)"},
+      {R"("group_size": 32)", R"("group_size": null)", "",
+       weights + ".group_size = null: strategy group needs a positive group size"},
+      {R"("dynamic": false)", R"("dynamic": true)", "",
+       weights + ".dynamic = true: dynamic quantization stores no quantized weights; moefit "
+                 "reads static ones (false)"},
+      {R"("actorder": null)", R"("actorder": "group")", "",
+       weights + ".actorder = \"group\": this activation order stores permuted columns "
+                 "(weight_g_idx), which moefit does not read (null, \"weight\" or \"static\")"},
+      {R"("symmetric": true)", R"("symmetric": false, "zp_dtype": "torch.float16")", "",
+       weights + ".zp_dtype = 'torch.float16': pack-quantized zero points are packed 4-bit "
+                 "integers (torch.int8)"},
+      {R"("observer": "minmax")", R"("observer": "minmax", "scale_dtype": "torch.float8_e4m3fn")",
+       "",
+       weights + ".scale_dtype = 'torch.float8_e4m3fn': moefit reads scales in torch.bfloat16, "
+                 "torch.float16 or torch.float32"},
+      {R"("input_activations": null)",
+       R"("input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                "dynamic": true})",
+       "",
+       "model.quantization_config.config_groups.group_0.input_activations is set: moefit reads "
+       "weight-only quantization (it must be null)"},
+      {R"("targets")", R"("format": "nvfp4-pack-quantized", "targets")", "",
+       "model.quantization_config.config_groups.group_0.format = 'nvfp4-pack-quantized': moefit "
+       "reads compressed-tensors' pack-quantized (int4) and float-quantized (FP8 blocks) "
+       "formats"},
+      {"", "", R"(, "quantization_status": "frozen")",
+       "model.quantization_config.quantization_status = 'frozen': moefit reads checkpoints "
+       "stored compressed (\"compressed\")"},
+      {"", "", R"(, "transform_config": {"config_groups": {"u": {"type": "hadamard"}}})",
+       R"(model.quantization_config.transform_config = {"config_groups":{"u":{"type":"hadamard"}}}: )"
+       "moefit reads quantized weights as stored, without sparsity, transforms or pruned "
+       "experts"},
+  };
+  for (size_t case_idx = 0; case_idx < cases.size(); ++case_idx) {
+    const Case& c = cases[case_idx];
+    SCOPED_TRACE(c.message);
+    const std::string path =
+        KimiThinkingJson("cte" + std::to_string(case_idx) + ".json", c.from, c.to, c.extra);
+    EXPECT_EQ(ErrorOf("", {"model.config_json=" + path}), c.message);
+  }
+  // The last key wins in a JSON object: these replace the file's.
+  EXPECT_EQ(
+      ErrorOf("", {"model.config_json=" +
+                   KimiThinkingJson("cte_kv.json", "", "",
+                                    R"(, "kv_cache_scheme": {"num_bits": 8, "type": "float"})")}),
+      "model.quantization_config.kv_cache_scheme is set: moefit does not quantize the "
+      "attention's keys and values (it must be null)");
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" + CompressedTensorsJson("cte_empty.json", "")}),
+            "model.quantization_config.config_groups is empty: no quantized weights to read");
+  // Two int4 groups that disagree.
+  EXPECT_EQ(
+      ErrorOf("", {"model.config_json=" +
+                   CompressedTensorsJson("cte_two.json",
+                                         R"("group_0": )" + std::string(kKimiThinkingGroup) +
+                                             R"(, "group_1": )" +
+                                             ReplaceFirst(kKimiThinkingGroup, R"("group_size": 32)",
+                                                          R"("group_size": 128)"))}),
+      "model.quantization_config.config_groups.group_1: int4 in groups of 128, symmetric, but "
+      "config_groups.group_0 is in groups of 32, symmetric: moefit reads one pack-quantized "
+      "scheme per checkpoint");
+  // FP8 blocks of three sizes.
+  EXPECT_EQ(ErrorOf("", {"model.config_json=" +
+                         CompressedTensorsJson("cte_fp8.json", R"("group_0": {"targets": ["Linear"],
+      "weights": {"num_bits": 8, "type": "float", "strategy": "block",
+                  "block_structure": [128, 128, 1]}})",
+                                               "float-quantized")}),
+            weights + ".block_structure = [128, 128, 1]: must be two positive sizes [rows, cols]");
 }
 
 TEST(Config, CollectiveDeadlines) {

@@ -11,7 +11,7 @@
 #include <optional>
 #include <vector>
 
-#include "parallel/internal/row_ops.h"
+#include "experts/kernels/row_ops.h"
 
 namespace moefit::experts {
 namespace {
@@ -312,14 +312,14 @@ at::Tensor ExpertFfn(ExpertBackend& backend, const at::Tensor& x,
 namespace internal {
 
 // Each row's copies are the members of its group in the relation the
-// dispatchers' Collect sums (parallel/internal/row_ops.h), unweighted: the
+// dispatchers' Collect sums (kernels/row_ops.h), unweighted: the
 // same side-by-side sum in j order, in float32 (float64 for float64 rows),
 // rounded once here. expert_layer_bench times it against LibTorch's index_add
 // of the same rows (its copies/ lines).
 at::Tensor SumCopies(const at::Tensor& per_row, const at::Tensor& copies) {
-  const parallel::internal::RowRelation relation =
-      parallel::internal::MakeRowRelation(copies.contiguous(), per_row.size(0));
-  return parallel::internal::Collect(per_row, relation).to(per_row.scalar_type());
+  const kernels::RowRelation relation =
+      kernels::MakeRowRelation(copies.contiguous(), per_row.size(0));
+  return kernels::Collect(per_row, relation).to(per_row.scalar_type());
 }
 
 }  // namespace internal

@@ -5,17 +5,17 @@
 #include <numeric>
 
 #include "absl/types/span.h"
+#include "experts/kernels/row_ops.h"
 #include "parallel/differentiable_collectives.h"
 #include "parallel/dispatcher.h"
 #include "parallel/internal/dispatchers.h"
-#include "parallel/internal/row_ops.h"
 #include "parallel/progress.h"
 #include "router/router_parallel.h"
 
 namespace moefit::parallel {
 namespace {
 
-using internal::RowRelation;
+using experts::kernels::RowRelation;
 
 struct AllToAllRoute final : Route {
   std::vector<int64_t> send_pairs, recv_pairs;  // rows per peer
@@ -56,7 +56,7 @@ class AllToAllDispatcher final : public Dispatcher {
     ScopedPhase phase("combine");
     const auto& route = static_cast<const AllToAllRoute&>(r);
     // One rank: the weighted sums are already the tokens' rows, in order.
-    if (ep_->size() == 1) return internal::Collect(y, route.remote, route.weights);
+    if (ep_->size() == 1) return experts::kernels::Collect(y, route.remote, route.weights);
     return FinishRows(PostCombine(y, route));
   }
 
@@ -138,7 +138,7 @@ class AllToAllDispatcher final : public Dispatcher {
     route.send_pairs = routes.per_owner;
     route.recv_pairs = recv_pairs;
     // Token t's row to owner q is sent row pair_of[t, q].
-    route.home = internal::MakeRowRelation(routes.pair_of, routes.tokens.numel());
+    route.home = experts::kernels::MakeRowRelation(routes.pair_of, routes.tokens.numel());
     p.rows = StartSendRows(*ep_, x, route.home, route.send_pairs, route.recv_pairs);
     p.weights = StartSendRows(*ep_, topk_weight, route.home, route.send_pairs, route.recv_pairs);
     const int64_t received = std::accumulate(recv_pairs.begin(), recv_pairs.end(), int64_t{0});
@@ -184,11 +184,11 @@ class AllToAllDispatcher final : public Dispatcher {
     for (int64_t i = 0; i < local.numel(); ++i) {
       if (lp[i] >= 0) pp[i] = next[lp[i]]++;
     }
-    route->remote = internal::MakeRowRelation(position, copies);
+    route->remote = experts::kernels::MakeRowRelation(position, copies);
 
     DispatchedRows out;
     out.rows = std::move(rows);
-    out.row_index = internal::GroupOf(route->remote);
+    out.row_index = experts::kernels::GroupOf(route->remote);
     out.row_copies = route->remote.members;
     out.counts = std::move(counts);
     out.sent_rows = std::accumulate(route->send_pairs.begin(), route->send_pairs.end(), int64_t{0});
@@ -199,7 +199,7 @@ class AllToAllDispatcher final : public Dispatcher {
   // Each received row's weighted sum over the experts it visited here, posted
   // back, to be summed over the ranks it went to when received.
   RowsInFlight PostCombine(const at::Tensor& y, const AllToAllRoute& route) {
-    at::Tensor partial = internal::Collect(y, route.remote, route.weights);
+    at::Tensor partial = experts::kernels::Collect(y, route.remote, route.weights);
     return StartReturnRows(*ep_, partial, route.home, route.recv_pairs, route.send_pairs);
   }
 

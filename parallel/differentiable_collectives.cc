@@ -26,7 +26,8 @@ at::Tensor RunAllGather(Communicator& comm, const at::Tensor& x, const std::vect
   return out;
 }
 
-at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x, const std::vector<int64_t>& rows) {
+at::Tensor RunSumKeepOwn(Communicator& comm, const at::Tensor& x,
+                         const std::vector<int64_t>& rows) {
   at::Tensor sum = x.contiguous().clone();
   comm.AllReduce(sum, ReduceOp::kSum)->WaitOrThrow();
   const int64_t begin = internal::BlockStart(rows, comm.rank());
@@ -63,7 +64,7 @@ Communicator* SavedComm(AutogradContext* ctx) {
 struct RowMove final : torch::CustomClassHolder {
   Communicator* comm = nullptr;
   bool send_rows = true;  // SendRows; false: ReturnRows
-  internal::RowRelation rel;
+  experts::kernels::RowRelation rel;
   std::vector<int64_t> send, recv;    // the forward's rows per peer
   at::ScalarType dtype = at::kFloat;  // the moved tensor's
   std::shared_ptr<Work> work;
@@ -90,8 +91,8 @@ void Post(RowMove& move, bool send_rows, const at::Tensor& x, const std::vector<
   const at::Tensor in = x.contiguous();
   if (send_rows) {
     move.received = at::empty(Shape(in, internal::Total(recv)), in.options());
-    move.work =
-        move.comm->AllToAllVGather(in, internal::GroupOf(move.rel), send, move.received, recv);
+    move.work = move.comm->AllToAllVGather(in, experts::kernels::GroupOf(move.rel), send,
+                                           move.received, recv);
     return;
   }
   const int me = move.comm->rank();
@@ -114,7 +115,7 @@ at::Tensor Finish(RowMove& move, bool send_rows) {
   at::Tensor out = std::move(move.received);
   if (send_rows) return out;
   at::Tensor own = std::move(move.own);
-  return internal::SumAroundBlock(out, move.own_at, own, move.rel);
+  return experts::kernels::SumAroundBlock(out, move.own_at, own, move.rel);
 }
 
 // The first half: posts the move; its output is only the link to the second
@@ -157,8 +158,8 @@ class FinishMoveFn : public torch::autograd::Function<FinishMoveFn> {
 };
 
 RowsInFlight StartMove(bool send_rows, Communicator& comm, const at::Tensor& x,
-                       const internal::RowRelation& relation, const std::vector<int64_t>& send,
-                       const std::vector<int64_t>& recv) {
+                       const experts::kernels::RowRelation& relation,
+                       const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
   auto move = c10::make_intrusive<RowMove>();
   move->comm = &comm;
   move->send_rows = send_rows;
@@ -204,14 +205,14 @@ class SumKeepOwnRowsFn : public torch::autograd::Function<SumKeepOwnRowsFn> {
 }  // namespace
 
 RowsInFlight StartSendRows(Communicator& comm, const at::Tensor& x,
-                           const internal::RowRelation& relation,
+                           const experts::kernels::RowRelation& relation,
                            const std::vector<int64_t>& send_counts,
                            const std::vector<int64_t>& recv_counts) {
   return StartMove(/*send_rows=*/true, comm, x, relation, send_counts, recv_counts);
 }
 
 RowsInFlight StartReturnRows(Communicator& comm, const at::Tensor& x,
-                             const internal::RowRelation& relation,
+                             const experts::kernels::RowRelation& relation,
                              const std::vector<int64_t>& send_counts,
                              const std::vector<int64_t>& recv_counts) {
   return StartMove(/*send_rows=*/false, comm, x, relation, send_counts, recv_counts);
@@ -221,14 +222,15 @@ at::Tensor FinishRows(const RowsInFlight& rows) {
   return FinishMoveFn::apply(rows.link, c10::static_intrusive_pointer_cast<RowMove>(rows.move));
 }
 
-at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
+at::Tensor SendRows(Communicator& comm, const at::Tensor& x,
+                    const experts::kernels::RowRelation& relation,
                     const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& recv_counts) {
   return FinishRows(StartSendRows(comm, x, relation, send_counts, recv_counts));
 }
 
 at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
-                      const internal::RowRelation& relation,
+                      const experts::kernels::RowRelation& relation,
                       const std::vector<int64_t>& send_counts,
                       const std::vector<int64_t>& recv_counts) {
   return FinishRows(StartReturnRows(comm, x, relation, send_counts, recv_counts));

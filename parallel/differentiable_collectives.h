@@ -1,7 +1,7 @@
 // Collectives as autograd functions: the backward of each is the collective
 // that sends gradients back along the opposite route.
 //
-//   SendRows:         each member row of a row relation (row_ops.h) to its
+//   SendRows:         each member row of a row relation (experts/kernels/row_ops.h) to its
 //                     rank, read where it lies in x; backward = ReturnRows
 //                     of the gradients along the opposite route.
 //   ReturnRows:       rows back from the ranks, each group of the relation
@@ -32,25 +32,26 @@
 #include <cstdint>
 #include <vector>
 
+#include "experts/kernels/row_ops.h"
 #include "parallel/communicator.h"
-#include "parallel/internal/row_ops.h"
 
 namespace moefit::parallel {
 
 // x: [groups, ...] -> [sum(recv_counts), ...]: member m of `relation` (sent
 // in member order, send_counts[p] of them to rank p) is x's row slot[m] / f,
 // gathered as it is sent (Communicator::AllToAllVGather), in x's dtype.
-at::Tensor SendRows(Communicator& comm, const at::Tensor& x, const internal::RowRelation& relation,
+at::Tensor SendRows(Communicator& comm, const at::Tensor& x,
+                    const experts::kernels::RowRelation& relation,
                     const std::vector<int64_t>& send_counts,
                     const std::vector<int64_t>& recv_counts);
 
 // x: [sum(send_counts), ...] -> [groups, ...]: the rows come back as the
 // relation's members (recv_counts[p] from rank p) and each group gets the sum
-// of its members (internal::Collect, in x's dtype promoted to at least
+// of its members (experts::kernels::Collect, in x's dtype promoted to at least
 // float32). The rows this rank sends itself are not moved: the sums read
-// them in x (internal::SumAroundBlock).
+// them in x (experts::kernels::SumAroundBlock).
 at::Tensor ReturnRows(Communicator& comm, const at::Tensor& x,
-                      const internal::RowRelation& relation,
+                      const experts::kernels::RowRelation& relation,
                       const std::vector<int64_t>& send_counts,
                       const std::vector<int64_t>& recv_counts);
 
@@ -69,11 +70,11 @@ struct RowsInFlight {
 // relative to its other collectives. `x` stays referenced until the move has
 // finished.
 RowsInFlight StartSendRows(Communicator& comm, const at::Tensor& x,
-                           const internal::RowRelation& relation,
+                           const experts::kernels::RowRelation& relation,
                            const std::vector<int64_t>& send_counts,
                            const std::vector<int64_t>& recv_counts);
 RowsInFlight StartReturnRows(Communicator& comm, const at::Tensor& x,
-                             const internal::RowRelation& relation,
+                             const experts::kernels::RowRelation& relation,
                              const std::vector<int64_t>& send_counts,
                              const std::vector<int64_t>& recv_counts);
 at::Tensor FinishRows(const RowsInFlight& rows);

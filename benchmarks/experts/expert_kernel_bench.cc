@@ -48,8 +48,8 @@
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/internal/fp8_tables.h"
 #include "experts/kernels/isa.h"
+#include "experts/kernels/row_ops.h"
 #include "experts/packed_weights.h"
-#include "parallel/internal/row_ops.h"
 
 namespace moefit::experts::kernels {
 namespace {
@@ -89,8 +89,7 @@ double TimeIt(const std::function<void()>& fn, double seconds) {
 
 // Bytes that cycling through cannot keep cached: twice the last-level cache.
 int64_t UncachedBytes() {
-  return std::max<int64_t>(int64_t{256} << 20,
-                           2 * moefit::parallel::internal::LastLevelCacheBytes());
+  return std::max<int64_t>(int64_t{256} << 20, 2 * moefit::experts::kernels::LastLevelCacheBytes());
 }
 
 // The group of an int4 weight's scales (Kimi-K2-Thinking's).
@@ -268,7 +267,7 @@ int main(int argc, char** argv) {
       static_cast<long long>(ExpertsCycled(f, ElemType::kBF16)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kF8E4M3)),
       static_cast<long long>(ExpertsCycled(f, ElemType::kI4)),
-      static_cast<long long>(moefit::parallel::internal::LastLevelCacheBytes() >> 20));
+      static_cast<long long>(moefit::experts::kernels::LastLevelCacheBytes() >> 20));
   std::printf("CPU flags: %s; detected: %s\n", CpuFlags().c_str(),
               std::string(IsaName(DetectIsa())).c_str());
   const double bw = ReadBandwidth();

@@ -1,5 +1,5 @@
 // Row moves over a RowRelation; see row_ops.h.
-#include "parallel/internal/row_ops.h"
+#include "experts/kernels/row_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -18,7 +18,7 @@
 
 #include "absl/container/inlined_vector.h"
 
-namespace moefit::parallel::internal {
+namespace moefit::experts::kernels {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -51,10 +51,8 @@ void ForRows(int64_t n, int64_t row_bytes, const Fn& fn) {
 // stored once, rather than the output read and written again per row. The
 // rows are read side by side, and the groups' rows lie in runs (each local
 // expert's outputs in arrival order, each rank's rows in token order), so
-// the hardware prefetcher follows each run; prefetching the next group's
-// rows by hand made this loop slower (a 2-core AMD EPYC, Zen 4: 9-13 GB/s
-// read against 15-18 without, and dispatch_bench's combine sums 24-26 ms
-// against 37-39 summed a whole row at a time).
+// the hardware prefetcher follows each run, better than prefetching the next
+// group's rows by hand, which made this loop slower.
 template <typename S, typename A>
 void SumRows(A* to, const S* const* from, const A* w, int n, int64_t h) {
   constexpr int64_t kBlock = 256 / static_cast<int64_t>(sizeof(S));
@@ -372,4 +370,4 @@ at::Tensor Collect(const at::Tensor& src, const RowRelation& relation, const at:
                           relation.members, relation.slot);
 }
 
-}  // namespace moefit::parallel::internal
+}  // namespace moefit::experts::kernels

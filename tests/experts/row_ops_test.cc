@@ -3,7 +3,7 @@
 // float64, float32 and bfloat16, with groups of every size up to f (none
 // included) and more rows than one parallel block; SumAroundBlock against
 // Collect.
-#include "parallel/internal/row_ops.h"
+#include "experts/kernels/row_ops.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -14,7 +14,7 @@
 #include <utility>
 #include <vector>
 
-namespace moefit::parallel::internal {
+namespace moefit::experts::kernels {
 namespace {
 
 struct Case {
@@ -173,4 +173,4 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, RowOpsTest,
                          ::testing::Values(at::kDouble, at::kFloat, at::kBFloat16));
 
 }  // namespace
-}  // namespace moefit::parallel::internal
+}  // namespace moefit::experts::kernels

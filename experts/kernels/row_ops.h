@@ -1,5 +1,8 @@
-// Row moves of the dispatchers, over a one-to-many relation between the rows
-// of two tensors, parallel over rows and autograd-aware.
+// Row moves of the dispatchers and the expert layer, over a one-to-many
+// relation between the rows of two tensors, parallel over rows and
+// autograd-aware. They know no ranks: the dispatchers (parallel/) move rows
+// with them around their all-to-alls, and the expert layer sums the
+// gradients of a row its experts read several times (expert_function.h).
 //
 // A RowRelation links P "group" rows to M "member" rows: group p has up to f
 // members, `members[p, j]` (-1 for none), and each member belongs to exactly
@@ -17,7 +20,7 @@
 
 #include <cstdint>
 
-namespace moefit::parallel::internal {
+namespace moefit::experts::kernels {
 
 struct RowRelation {
   at::Tensor members;  // [P, f] int64, -1 where group p has fewer than f
@@ -57,4 +60,4 @@ int64_t LastLevelCacheBytes();
 // returns the value it replaces.
 int64_t SetStreamAboveBytes(int64_t bytes);
 
-}  // namespace moefit::parallel::internal
+}  // namespace moefit::experts::kernels

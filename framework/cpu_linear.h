@@ -2,10 +2,10 @@
 // (experts/kernels/gemm.h), forward and backward.
 //
 // Why not LibTorch's (MKL's) sgemm: at the shapes of a small model's training
-// step (2048 tokens, 512 inputs, 256-512 outputs) moefit's blocked kernels ran
-// forward and backward at 1.06-1.27x its speed on two threads of a Zen 4
-// (benchmarks/framework/linear_bench.cc; the most with a frozen weight), and
-// their results do not depend on the thread count.
+// step (2048 tokens, 512 inputs, 256-512 outputs) moefit's blocked kernels
+// run forward and backward at least as fast (benchmarks/framework/
+// linear_bench.cc measures both), and their results do not depend on the
+// thread count.
 //
 // Work split: the forward and the input gradient by blocks of rows (tokens),
 // the weight gradient by blocks of its rows (output features), each block's

@@ -60,8 +60,8 @@ absl::Status TestAll(std::vector<MPI_Request>& requests, bool* done) {
 // between polls to any thread that wants it) before each further poll
 // sleeps. Open MPI moves data only inside MPI calls, and a collective's
 // messages travel in several steps (handshakes, fragments), each needing a
-// poll: sleeping between polls would stretch a 20 ms exchange to several
-// times that. Waits longer than this are peers that are late, where a
+// poll: sleeping between polls would stretch an exchange to several times
+// its length. Waits longer than this are peers that are late, where a
 // sleeping poll leaves the core to other work.
 constexpr absl::Duration kBusyPollTime = absl::Milliseconds(500);
 
@@ -339,17 +339,15 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllCounts(const at::Tensor& send_cou
                                                       const at::Tensor& recv_counts) {
   internal::CheckAllToAllCounts(*this, send_counts, recv_counts);
   const std::string what = WorkName("AllToAllCounts", send_counts.nbytes(), recv_counts.nbytes());
-  return Post(what,
-              [&](PendingMpi& pending) -> absl::Status {
-                const absl::StatusOr<int> per_peer =
-                    ToIntCount(send_counts.numel() / size(), "AllToAllCounts");
-                if (!per_peer.ok()) return per_peer.status();
-                pending.tensors = {send_counts, recv_counts};
-                MOEFIT_CHECK_FOREIGN(MPI_Ialltoall(send_counts.data_ptr(), *per_peer, MPI_INT64_T,
-                                                   recv_counts.data_ptr(), *per_peer, MPI_INT64_T,
-                                                   comm_, &pending.requests.emplace_back()));
-                return absl::OkStatus();
-              });
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
+    const absl::StatusOr<int> per_peer = ToIntCount(send_counts.numel() / size(), "AllToAllCounts");
+    if (!per_peer.ok()) return per_peer.status();
+    pending.tensors = {send_counts, recv_counts};
+    MOEFIT_CHECK_FOREIGN(MPI_Ialltoall(send_counts.data_ptr(), *per_peer, MPI_INT64_T,
+                                       recv_counts.data_ptr(), *per_peer, MPI_INT64_T, comm_,
+                                       &pending.requests.emplace_back()));
+    return absl::OkStatus();
+  });
 }
 
 std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
@@ -381,8 +379,8 @@ std::shared_ptr<Work> MpiCommunicator::AllToAllV(const at::Tensor& send,
 // gathered straight into their place in recv and not handed to MPI. Over
 // shared memory MPI moves a contiguous block in one copy (CMA), where rows
 // read where they lie through a derived datatype were packed into and out of
-// its fragments, two copies on MPI's one thread: dispatch took 2-3x as long
-// that way (dispatch_bench, two processes on one node). Where each other
+// its fragments, two copies on MPI's one thread, which dispatch_bench
+// measured as the slower way between two processes on one node. Where each other
 // rank's rows are already one block of src (ascending consecutive rows),
 // those blocks are sent where they lie, with no gather.
 std::shared_ptr<Work> MpiCommunicator::AllToAllVGather(const at::Tensor& src,
@@ -428,28 +426,26 @@ std::shared_ptr<Work> MpiCommunicator::AllReduce(const at::Tensor& tensor, Reduc
   internal::CheckAllReduce(*this, tensor);
   const std::string what =
       WorkName(absl::StrCat("AllReduce(", ReduceOpName(op), ")"), tensor.nbytes(), tensor.nbytes());
-  return Post(what,
-              [&](PendingMpi& pending) -> absl::Status {
-                at::Tensor buffer = tensor;
-                if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
-                  // No MPI type: reduce an fp32 copy, round back once at the end.
-                  buffer = tensor.to(at::kFloat);
-                  pending.on_success = [tensor, buffer] { tensor.copy_(buffer); };
-                }
-                pending.tensors = {tensor, buffer};
-                const MPI_Datatype type = internal::ReductionDatatype(buffer.scalar_type());
-                const MPI_Op mpi_op = ToMpiOp(op);
-                const int64_t element_bytes = buffer.element_size();
-                const int64_t max_count = MaxCountPerCall();
-                for (int64_t offset = 0; offset < buffer.numel(); offset += max_count) {
-                  const int64_t count = std::min(max_count, buffer.numel() - offset);
-                  MOEFIT_CHECK_FOREIGN(MPI_Iallreduce(MPI_IN_PLACE,
-                                                      BytePointer(buffer) + offset * element_bytes,
-                                                      static_cast<int>(count), type, mpi_op, comm_,
-                                                      &pending.requests.emplace_back()));
-                }
-                return absl::OkStatus();
-              });
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
+    at::Tensor buffer = tensor;
+    if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
+      // No MPI type: reduce an fp32 copy, round back once at the end.
+      buffer = tensor.to(at::kFloat);
+      pending.on_success = [tensor, buffer] { tensor.copy_(buffer); };
+    }
+    pending.tensors = {tensor, buffer};
+    const MPI_Datatype type = internal::ReductionDatatype(buffer.scalar_type());
+    const MPI_Op mpi_op = ToMpiOp(op);
+    const int64_t element_bytes = buffer.element_size();
+    const int64_t max_count = MaxCountPerCall();
+    for (int64_t offset = 0; offset < buffer.numel(); offset += max_count) {
+      const int64_t count = std::min(max_count, buffer.numel() - offset);
+      MOEFIT_CHECK_FOREIGN(MPI_Iallreduce(
+          MPI_IN_PLACE, BytePointer(buffer) + offset * element_bytes, static_cast<int>(count), type,
+          mpi_op, comm_, &pending.requests.emplace_back()));
+    }
+    return absl::OkStatus();
+  });
 }
 
 std::shared_ptr<Work> MpiCommunicator::AllGather(const at::Tensor& send, const at::Tensor& recv) {
@@ -497,22 +493,21 @@ std::shared_ptr<Work> MpiCommunicator::Broadcast(const at::Tensor& tensor, int r
   internal::CheckBroadcast(*this, tensor, root_rank);
   const std::string what =
       WorkName(absl::StrCat("Broadcast from rank ", root_rank), tensor.nbytes(), tensor.nbytes());
-  return Post(what,
-              [&](PendingMpi& pending) -> absl::Status {
-                // Raw data, no arithmetic: any dtype travels as same-width integers.
-                int64_t unit_bytes = 1;
-                const MPI_Datatype unit = internal::CopyUnit(tensor.element_size(), &unit_bytes);
-                const int64_t num_units = static_cast<int64_t>(tensor.nbytes()) / unit_bytes;
-                pending.tensors = {tensor};
-                const int64_t max_count = MaxCountPerCall();
-                for (int64_t offset = 0; offset < num_units; offset += max_count) {
-                  const int64_t count = std::min(max_count, num_units - offset);
-                  MOEFIT_CHECK_FOREIGN(MPI_Ibcast(BytePointer(tensor) + offset * unit_bytes,
-                                                  static_cast<int>(count), unit, root_rank, comm_,
-                                                  &pending.requests.emplace_back()));
-                }
-                return absl::OkStatus();
-              });
+  return Post(what, [&](PendingMpi& pending) -> absl::Status {
+    // Raw data, no arithmetic: any dtype travels as same-width integers.
+    int64_t unit_bytes = 1;
+    const MPI_Datatype unit = internal::CopyUnit(tensor.element_size(), &unit_bytes);
+    const int64_t num_units = static_cast<int64_t>(tensor.nbytes()) / unit_bytes;
+    pending.tensors = {tensor};
+    const int64_t max_count = MaxCountPerCall();
+    for (int64_t offset = 0; offset < num_units; offset += max_count) {
+      const int64_t count = std::min(max_count, num_units - offset);
+      MOEFIT_CHECK_FOREIGN(MPI_Ibcast(BytePointer(tensor) + offset * unit_bytes,
+                                      static_cast<int>(count), unit, root_rank, comm_,
+                                      &pending.requests.emplace_back()));
+    }
+    return absl::OkStatus();
+  });
 }
 
 std::shared_ptr<Work> MpiCommunicator::Barrier() {

@@ -127,9 +127,8 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
   }
   // What this rank holds now (the weights, and the peak so far: after loading)
   // and what training will add to it.
-  LogMemoryBreakdown(
-      ComputeMemoryBreakdown(*out.model, run.train.micro_batch_size, run.seq_len),
-      *out.groups.world, run.train.micro_batch_size, run.seq_len, log);
+  LogMemoryBreakdown(ComputeMemoryBreakdown(*out.model, run.train.micro_batch_size, run.seq_len),
+                     *out.groups.world, run.train.micro_batch_size, run.seq_len, log);
   return out;
 }
 
@@ -239,8 +238,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
     if (std::FILE* f = std::fopen(run.train.metrics_file.c_str(), "w")) {
       std::fclose(f);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "logging.metrics_file: cannot open '", run.train.metrics_file, "' for writing"));
+      return absl::InvalidArgumentError(absl::StrCat("logging.metrics_file: cannot open '",
+                                                     run.train.metrics_file, "' for writing"));
     }
   }
 #ifdef MOEFIT_HAS_NCCL
@@ -293,6 +292,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
     if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
     log << std::endl;
   }
+  // What this run held at its peak, and what its experts hold per parameter.
+  LogEndMemory(*model, *groups.world, log);
   if (!final_dir.empty() && run.runtime.lora.enabled()) {
     framework::AdapterSaveOptions save;
     save.base_model_name_or_path = run.model_path;

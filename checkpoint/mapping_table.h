@@ -110,11 +110,11 @@ struct MappingTable {
 // "<file>:<line>:<column>: <what>", lines counted from 1.
 absl::StatusOr<MappingTable> ParseMappingTable(std::string_view text, std::string_view file);
 
-// The compiled-in table of `family` ("qwen3_moe", "qwen2_moe", "mixtral",
-// "gpt_oss", "deepseek_v3", "glm4_moe"). NotFound lists the known families.
+// The compiled-in table of `family` ("deepseek_v3", "glm4_moe", "mixtral",
+// "qwen2_moe", "qwen3_moe"). NotFound lists the known families.
 absl::StatusOr<MappingTable> MappingTableFor(std::string_view family);
 
-// Families with a compiled-in table, in registry order.
+// Families with a compiled-in table, by name.
 std::vector<std::string> RegisteredFamilies();
 
 }  // namespace moefit::checkpoint

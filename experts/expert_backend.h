@@ -133,9 +133,9 @@ struct BackendOptions {
   // and up of a block back to back, and silu(gate)·up of the block computed
   // right after with a vector exp (kernels/swiglu.h); the backward's
   // derivative with the vector exp too. false: one GEMM writes the whole
-  // [rows, 2I] block, then a scalar pass (std::exp) computes h -- the slow
-  // twin the fused path is tested against. Only backends with their own
-  // kernels (grouped) read it.
+  // [rows, 2I] block, then the portable kernels' scalar pass (std::exp)
+  // computes h, and the derivative -- the slow twin the fused path is tested
+  // against. Only backends with their own kernels (grouped) read it.
   bool fused_swiglu = true;
 };
 

@@ -2,8 +2,6 @@
 #include "experts/grouped_backend.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
 #include <tbb/blocked_range.h>
@@ -256,52 +254,21 @@ void MakeWorkerSingleThreaded() {
   }
 }
 
-// h = silu(gate) * up over one tile, with gate_up = [gate | up] per row.
-template <typename T>
-void SiluMul(const at::Tensor& gate_up, const at::Tensor& h) {
-  using Acc = at::opmath_type<T>;
-  const int64_t rows = h.size(0), inter = h.size(1);
-  const T* gu = gate_up.const_data_ptr<T>();
-  T* out = h.data_ptr<T>();
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* g_row = gu + i * 2 * inter;
-    const T* u_row = g_row + inter;
-    T* h_row = out + i * inter;
-    for (int64_t j = 0; j < inter; ++j) {
-      const Acc g = static_cast<Acc>(g_row[j]);
-      const Acc s = Acc(1) / (Acc(1) + std::exp(-g));
-      h_row[j] = static_cast<T>(g * s * static_cast<Acc>(u_row[j]));
-    }
-  }
+// SwiGLU of one tile in float64 (the gradient checks, off the kernels), with
+// ATen's ops: h = silu(gate)·up and, given dh, d_gate_up = [d_gate | d_up].
+void SiluMulDouble(const at::Tensor& gate_up, const at::Tensor& h) {
+  const int64_t inter = h.size(1);
+  h.copy_(at::silu(gate_up.narrow(1, 0, inter)) * gate_up.narrow(1, inter, inter));
 }
 
-// Backward of SiluMul fused with recomputing h: from gate_up and dh writes
-// h (needed for d down_proj) and d_gate_up = [d_gate | d_up].
-template <typename T>
-void SiluMulBackward(const at::Tensor& gate_up, const at::Tensor& dh, const at::Tensor& h,
-                     const at::Tensor& d_gate_up) {
-  using Acc = at::opmath_type<T>;
-  const int64_t rows = h.size(0), inter = h.size(1);
-  const T* gu = gate_up.const_data_ptr<T>();
-  const T* dh_p = dh.const_data_ptr<T>();
-  T* h_p = h.data_ptr<T>();
-  T* dgu = d_gate_up.data_ptr<T>();
-  for (int64_t i = 0; i < rows; ++i) {
-    const T* g_row = gu + i * 2 * inter;
-    const T* u_row = g_row + inter;
-    T* dg_row = dgu + i * 2 * inter;
-    T* du_row = dg_row + inter;
-    for (int64_t j = 0; j < inter; ++j) {
-      const Acc g = static_cast<Acc>(g_row[j]);
-      const Acc u = static_cast<Acc>(u_row[j]);
-      const Acc d = static_cast<Acc>(dh_p[i * inter + j]);
-      const Acc s = Acc(1) / (Acc(1) + std::exp(-g));
-      const Acc act = g * s;
-      h_p[i * inter + j] = static_cast<T>(act * u);
-      dg_row[j] = static_cast<T>(d * u * s * (Acc(1) + g * (Acc(1) - s)));
-      du_row[j] = static_cast<T>(d * act);
-    }
-  }
+void SiluMulBackwardDouble(const at::Tensor& gate_up, const at::Tensor& dh, const at::Tensor& h,
+                           const at::Tensor& d_gate_up) {
+  const int64_t inter = h.size(1);
+  const at::Tensor g = gate_up.narrow(1, 0, inter), u = gate_up.narrow(1, inter, inter);
+  const at::Tensor s = at::sigmoid(g), act = g * s;
+  h.copy_(act * u);
+  d_gate_up.narrow(1, 0, inter).copy_(dh * u * s * (1 + g * (1 - s)));
+  d_gate_up.narrow(1, inter, inter).copy_(dh * act);
 }
 
 // The LoRA products run on the float32 kernels (the active set, held to at
@@ -621,13 +588,11 @@ class GroupedBackend final : public ExpertBackend {
       }
       at::Tensor h_t = rows_of(h, inter);
       at::Tensor dgu_t = rows_of(d_gate_up, 2 * inter);
-      if (fused_swiglu_ && OnKernels(x)) {
-        kernels::SiluMulBackward(kernels::ActiveIsa(), tile.size, inter, RowsOf(gu_t),
-                                 RowsOf(gu_t, inter), RowsOf(dh_t), RowsOf(h_t), RowsOf(dgu_t),
-                                 RowsOf(dgu_t, inter));
+      if (OnKernels(x)) {
+        kernels::SiluMulBackward(SwiGluIsa(), tile.size, inter, RowsOf(gu_t), RowsOf(gu_t, inter),
+                                 RowsOf(dh_t), RowsOf(h_t), RowsOf(dgu_t), RowsOf(dgu_t, inter));
       } else {
-        AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "SiluMulBackward",
-                                       [&] { SiluMulBackward<scalar_t>(gu_t, dh_t, h_t, dgu_t); });
+        SiluMulBackwardDouble(gu_t, dh_t, h_t, dgu_t);
       }
       if (lora_down) {
         u_down.narrow(0, tile.begin, tile.size)
@@ -742,17 +707,22 @@ class GroupedBackend final : public ExpertBackend {
     return p;
   }
 
-  // h = silu(gate)·up over one tile of gate_up = [gate | up]: the vector
-  // kernels, or the scalar twin (fused_swiglu off, or float64).
+  // The instruction set of SwiGLU's kernels: the active one's vector exp, or,
+  // with fused_swiglu off, the portable kernels' scalar std::exp (the twin
+  // the vector ones are tested against).
+  kernels::Isa SwiGluIsa() const {
+    return fused_swiglu_ ? kernels::ActiveIsa() : kernels::Isa::kPortable;
+  }
+
+  // h = silu(gate)·up over one tile of gate_up = [gate | up].
   void SiluMulTile(const at::Tensor& gu_t, const at::Tensor& h_t) const {
-    if (fused_swiglu_ && OnKernels(gu_t)) {
-      const int64_t inter = h_t.size(1);
-      kernels::SiluMul(kernels::ActiveIsa(), h_t.size(0), inter, RowsOf(gu_t), RowsOf(gu_t, inter),
-                       RowsOf(h_t));
+    if (!OnKernels(gu_t)) {
+      SiluMulDouble(gu_t, h_t);
       return;
     }
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gu_t.scalar_type(), "SiluMul",
-                                   [&] { SiluMul<scalar_t>(gu_t, h_t); });
+    const int64_t inter = h_t.size(1);
+    kernels::SiluMul(SwiGluIsa(), h_t.size(0), inter, RowsOf(gu_t), RowsOf(gu_t, inter),
+                     RowsOf(h_t));
   }
 
   // w's packs for the kernels that will multiply x's rows by it (null: the

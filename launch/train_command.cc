@@ -65,6 +65,12 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
         "train.recompute = 'full' with the dense layers on a GPU runs in one process only; use "
         "train.recompute = 'experts' under mpirun");
   }
+  // A compressed-tensors int4 checkpoint's experts are laid out in memory as
+  // it stores them: its group size, and zero points where it has them.
+  if (run.model.int4_weights) {
+    run.runtime.int4_group_size = run.model.int4_weights->group_size;
+    run.runtime.int4_zero_points = !run.model.int4_weights->symmetric;
+  }
   if (run.runtime.lora.enabled()) {
     // The frozen base stays in its checkpoint's dtype unless told otherwise.
     at::ScalarType base = at::kFloat;
@@ -89,6 +95,27 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
               << fp8.message() << std::endl;
         }
       }
+    }
+  }
+  // An int4 checkpoint's experts stay int4 wherever nothing trains them (LoRA,
+  // moefit eval) and no dtype was asked for.
+  if ((run.runtime.lora.enabled() || run.runtime.frozen_base) && !run.experts_dtype_set &&
+      !run.lora_base_dtype && !run.model_path.empty() && run.model.int4_weights) {
+    MOEFIT_ASSIGN_OR_RETURN(const bool stored_int4,
+                            checkpoint::ExpertsStoredAsInt4(run.model_path, run.model.model_type));
+    if (stored_int4) run.runtime.expert_dtype = at::kByte;
+  }
+  if (run.runtime.expert_dtype == at::kByte && run.experts_dtype_set && !run.model_path.empty()) {
+    bool stored_int4 = false;
+    if (run.model.int4_weights) {
+      MOEFIT_ASSIGN_OR_RETURN(
+          stored_int4, checkpoint::ExpertsStoredAsInt4(run.model_path, run.model.model_type));
+    }
+    if (!stored_int4) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "experts.dtype = 'int4' keeps the routed experts of a compressed-tensors int4 "
+          "checkpoint as stored; those of ",
+          run.model_path, " are not pack-quantized int4 (config.json's quantization_config)"));
     }
   }
   if (run.runtime.expert_dtype == at::kFloat8_e4m3fn && run.experts_dtype_set &&

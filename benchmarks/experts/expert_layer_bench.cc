@@ -6,7 +6,7 @@
 // Shape (defaults near a Qwen3-30B-A3B layer): --tokens=1024 --hidden=2048
 // --inter=768 --experts=32 --top_k=8, routing uniform or --pattern=skewed
 // (Zipf-like: a few hot experts); the problems are the ones the backend tests
-// check (experts/expert_problem.h).
+// check (tests/support/expert_problem.h).
 //
 // LoRA: forward + backward of the same layer on the `grouped` backend with
 // rank --lora_rank=8 adapters on both projections and a frozen base (no base
@@ -48,7 +48,7 @@
 #include <tuple>
 
 #include "experts/expert_function.h"
-#include "experts/expert_problem.h"
+#include "tests/support/expert_problem.h"
 #include "experts/kernels/internal/bf16_pairs.h"
 #include "experts/kernels/isa.h"
 #include "experts/registry.h"

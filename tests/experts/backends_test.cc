@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "experts/expert_function.h"
-#include "experts/expert_problem.h"
+#include "tests/support/expert_problem.h"
 #include "experts/int4.h"
 #include "experts/kernels/gemm.h"
 #include "experts/kernels/internal/bf16_pairs.h"

@@ -8,16 +8,19 @@
 #   tests/gpu/run.sh [DEB_DIR]        (default: .gpu-debs in the checkout)
 #
 # Builds only what the checks need (all cores), runs every test labelled gpu
-# (each skips with a message where no GPU is visible), then, with a GPU, a
+# (each skips with a message where no GPU is visible) and the expert kernel
+# tests on this host's CPU (GPU hosts often have AVX-512 or AMX, which other
+# machines lack: every instruction set the host has, for every weight
+# format, int4 and FP8 included), then, with a GPU, a
 # short training of the demo model: dense layers on the CPU, on the GPU, on
 # the GPU in bfloat16, and 2 processes sharing the GPU; the same for LoRA; the
-# deepseek_v3 and glm4_moe families on CPU and GPU; bfloat16 experts on CPU
-# and GPU; the experts recomputed in backward, and TF32, on the GPU; a run
+# deepseek_v3 and glm4_moe families on CPU and GPU; bfloat16 and int4 experts
+# (LoRA) on CPU and GPU; the experts recomputed in backward, and TF32, on the GPU; a run
 # resumed on the GPU from its checkpoint at step 4; and a larger model with
 # dense on CPU, on GPU and on GPU in bfloat16; and prints a summary:
 #   * dense-on-GPU losses equal dense-on-CPU within 1e-3 relative per step
 #     (float32; the GEMMs sum in another order, which grows over the steps),
-#     for the demo, LoRA, both families and bfloat16 experts;
+#     for the demo, LoRA, both families, bfloat16 experts and int4 experts;
 #   * bfloat16 dense compute tracks float32 within 2% per step (full, LoRA);
 #   * 2 processes sharing the GPU equal 1 process within 1e-3 relative;
 #   * the resumed run equals the uninterrupted one within 1e-5, recomputed
@@ -68,7 +71,8 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEFIT_BUILD_
   -DMPIEXEC_EXECUTABLE="$usr/bin/mpirun.openmpi" -DProtobuf_PROTOC_EXECUTABLE="$usr/bin/protoc" \
   >"$build.configure.log" 2>&1 || { tail -40 "$build.configure.log"; exit 1; }
 grep "moefit: torch" "$build.configure.log" || true
-targets=(moefit framework_host_transfer_gpu_test parallel_grad_sync_test parallel_node_devices_test)
+targets=(moefit framework_host_transfer_gpu_test parallel_grad_sync_test parallel_node_devices_test
+         experts_gemm_test experts_backends_test)
 grep -q "NCCL backend: ON" "$build.configure.log" && targets+=(parallel_nccl_communicator_test)
 # Keep going past a target that fails: the GPU minutes are few, so whatever
 # built is still run, and the run ends non-zero.
@@ -86,6 +90,11 @@ fi
 (cd "$build" && ctest -L gpu --output-on-failure) | tee "$out.ctest.log" | tail -15 || status=1
 (cd "$build" && ctest -R "parallel_grad_sync|parallel_node_devices" --output-on-failure | tail -4) \
   || status=1
+# The expert kernels on this host's CPU, every instruction set it has.
+(cd "$build" && ctest -R "experts_gemm_test|experts_backends_test" --output-on-failure | tail -4) \
+  || status=1
+say "host CPU:$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2-); AVX-512 and AMX flags:" \
+  "$(grep -m1 -o -E 'avx512[a-z0-9_]*|amx[a-z0-9_]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
 
 if ! "$python" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
   say "no CUDA device visible: the gpu tests above skipped, and the GPU demo does not run"
@@ -141,6 +150,8 @@ run glm_gpu 1 8 --set parallel.device=cuda "${glm[@]}"
 # recomputed in backward, and TF32 products.
 run experts_bf16_cpu 1 8 --set parallel.device=cpu --set experts.dtype=bfloat16
 run experts_bf16_gpu 1 8 --set parallel.device=cuda --set experts.dtype=bfloat16
+run experts_int4_cpu 1 8 --set parallel.device=cpu --set experts.dtype=int4 "${lora[@]}"
+run experts_int4_gpu 1 8 --set parallel.device=cuda --set experts.dtype=int4 "${lora[@]}"
 run recompute_gpu 1 8 --set parallel.device=cuda --set train.recompute=experts
 run tf32_gpu 1 8 --set parallel.device=cuda --set train.allow_tf32=true
 rm -rf "$out/ckpt" "$out/ckpt_resumed"
@@ -194,6 +205,7 @@ compare("deepseek_v3 on GPU vs on CPU", "deepseek_gpu", "deepseek_cpu", 1e-3)
 compare("glm4_moe on GPU vs on CPU", "glm_gpu", "glm_cpu", 1e-3)
 compare("resumed at step 4 on GPU vs uninterrupted", "resumed_gpu", "saved_gpu", 1e-5)
 compare("bfloat16 experts, dense on GPU vs on CPU", "experts_bf16_gpu", "experts_bf16_cpu", 1e-3)
+compare("int4 experts (LoRA), dense on GPU vs on CPU", "experts_int4_gpu", "experts_int4_cpu", 1e-3)
 compare("experts recomputed in backward on GPU vs stored", "recompute_gpu", "gpu", 1e-6)
 compare("TF32 vs float32 dense on GPU", "tf32_gpu", "gpu", 1e-2)
 for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "experts_bf16_gpu", "big_gpu",

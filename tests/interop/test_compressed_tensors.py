@@ -290,3 +290,97 @@ def test_fp8_blocks_load_as_the_library_decompresses(tool, build_dir, fp8_model,
     exported = load_file(str(next(out.glob("*.safetensors"))))
     for name in quantized:
         assert torch.equal(exported[name], ref[name]), name
+
+
+def reference_model(src, tensors, dense, quantized, scheme, tmp_path):
+    """transformers' model of what the library decompresses, in float32: the
+    quantized weights as its decompress gives them, the rest as stored."""
+    from transformers import AutoModelForCausalLM
+
+    ref_dir = tmp_path / "reference"
+    ref_dir.mkdir()
+    weights = dict(dense)
+    for name in quantized:
+        weights[name] = decompress(tensors, name, scheme)
+    save_file(weights, str(ref_dir / "model.safetensors"), metadata={"format": "pt"})
+    hf_config = json.loads((src / "config.json").read_text())
+    del hf_config["quantization_config"]
+    (ref_dir / "config.json").write_text(json.dumps(hf_config))
+    return AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
+
+
+def test_eval_keeps_int4_experts_with_the_logits_of_transformers(build_dir, int4_model, tmp_path):
+    """`moefit eval` keeps the routed experts int4 as stored and gives
+    transformers' logits on the decompressed model (float32) within
+    5e-3: the experts compute in bfloat16. On the kernels and on the reference
+    backend the int4 experts give exactly the logits of their bfloat16
+    dequantization (an int4 element is a bfloat16 value on every instruction
+    set), and two processes give the logits of one."""
+    from test_reference_model import moefit
+
+    src, tensors, dense, quantized, scheme = int4_model
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
+    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
+
+    def logits(*extra, np=1):
+        out = tmp_path / f"logits_{len(list(tmp_path.glob('logits_*')))}.safetensors"
+        log = moefit(build_dir, "eval", "--set", f"model.model_path={src}", *extra,
+                     "--save-logits", out, "--input-ids", tmp_path / "ids.safetensors", np=np)
+        return log, load_file(str(out))["logits"]
+
+    _, int4 = logits()
+    reference = reference_model(src, tensors, dense, quantized, scheme, tmp_path)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits.float()
+    err = (int4 - expected).abs().max().item()
+    print(f"eval int4 (group {scheme.weights.group_size}, symmetric {scheme.weights.symmetric}) "
+          f"vs transformers on the decompressed model: max |logit difference| {err:.3g}")
+    assert err < 5e-3
+    _, bf16 = logits("--set", "experts.dtype=bfloat16")
+    assert torch.equal(int4, bf16)
+    _, int4_eager = logits("--set", "experts.backend=eager")
+    _, bf16_eager = logits("--set", "experts.backend=eager", "--set", "experts.dtype=bfloat16")
+    assert torch.equal(int4_eager, bf16_eager)
+    _, two = logits(np=2)
+    assert (two - int4).abs().max().item() < 1e-4
+
+
+def test_lora_on_int4_experts_loads_in_peft(build_dir, int4_model, tmp_path):
+    """Under LoRA the experts of an int4 checkpoint stay int4 by default; two
+    processes train the adapter with the losses of the same run on the
+    experts' bfloat16 dequantization (exactly: the same bits); and PEFT puts
+    the adapter on transformers' model of the decompressed weights with
+    moefit's logits (within 5e-3: the experts compute in bfloat16)."""
+    from peft import PeftModel
+    from test_reference_model import moefit, moefit_logits
+
+    src, tensors, dense, quantized, scheme = int4_model
+
+    def train(out, *extra):
+        metrics = out.with_suffix(".jsonl")
+        log = moefit(build_dir, "train", "--set", f"model.model_path={src}", "--set", "train.steps=4",
+                     "--set", "train.seq_len=32", "--set", "train.micro_batch_size=2",
+                     "--set", "optimizer.lr=2e-2", "--set", "schedule.warmup_steps=0",
+                     "--set", "train.mode=lora", "--set", "lora.rank=4", "--set", "lora.alpha=8",
+                     "--set", "lora.target_modules=[q_a_proj,kv_b_proj,o_proj,experts]",
+                     "--set", f"checkpoint.save_dir={out}", "--set", f"logging.metrics_file={metrics}",
+                     "--set", "experts.num_threads=1", *extra, np=2)
+        return log, [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    log, int4 = train(tmp_path / "int4")
+    assert "frozen base in bfloat16 (dense) and int4 (experts)" in log, log
+    assert len(int4) == 4 and int4[-1] < int4[0]
+    _, bf16 = train(tmp_path / "bf16", "--set", "experts.dtype=bfloat16")
+    assert int4 == bf16
+
+    reference = reference_model(src, tensors, dense, quantized, scheme, tmp_path)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(3))
+    peft_model = PeftModel.from_pretrained(reference, tmp_path / "int4").eval()
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids).logits.float()
+    got = moefit_logits(build_dir, src, ids, tmp_path, "--set", f"lora.adapter_path={tmp_path / 'int4'}")
+    plain = moefit_logits(build_dir, src, ids, tmp_path)
+    err = (got - expected).abs().max().item()
+    effect = (plain - expected).abs().max().item()
+    print(f"int4 LoRA vs PEFT: max |logit difference| {err:.3g}, adapter effect {effect:.3g}")
+    assert err < 5e-3 and effect > 100 * err, (err, effect)

@@ -73,9 +73,19 @@ inline VecF LoadF8(const void* data, int64_t idx, float factor) {
   return _mm256_or_ps(f, _mm256_castsi256_ps(_mm256_cvtepi16_epi32(nan)));  // all ones: NaN
 }
 
+// An int4 group's scale and 8 + zero point in every lane, made once per
+// group and used for each of its vectors.
+struct I4Lanes {
+  __m256 scale;
+  __m256i bias;
+};
+inline I4Lanes LanesOf(I4Params p) {
+  return {_mm256_set1_ps(p.scale), _mm256_set1_epi32(8 + p.zero)};
+}
+
 // kVl int4 elements from nibble `idx` (even) of `data`, all of one group:
 // each nibble u as bfloat16((u - 8 - z) x scale), widened (I4Dequantize).
-inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
+inline VecF LoadI4(const void* data, int64_t idx, const I4Lanes& g) {
   uint32_t word;
   std::memcpy(&word, static_cast<const uint8_t*>(data) + (idx >> 1), sizeof word);
   const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(word));
@@ -85,8 +95,8 @@ inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
       _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)),
                                          _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4)),
                        _mm256_set1_epi32(0xf));
-  const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, _mm256_set1_epi32(8 + p.zero)));
-  return RoundBf16F(_mm256_mul_ps(q, _mm256_set1_ps(p.scale)));
+  const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(u, g.bias));
+  return RoundBf16F(_mm256_mul_ps(q, g.scale));
 }
 
 // kVl elements of type T starting at element `idx` of `data`, as float32.
@@ -180,7 +190,15 @@ inline VecF LoadF8(const void* data, int64_t idx, float factor) {
                             _mm512_set1_ps(factor * 256.0f));
 }
 
-inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
+struct I4Lanes {
+  __m512 scale;
+  __m512i bias;
+};
+inline I4Lanes LanesOf(I4Params p) {
+  return {_mm512_set1_ps(p.scale), _mm512_set1_epi32(8 + p.zero)};
+}
+
+inline VecF LoadI4(const void* data, int64_t idx, const I4Lanes& g) {
   uint64_t word;
   std::memcpy(&word, static_cast<const uint8_t*>(data) + (idx >> 1), sizeof word);
   const __m128i bytes = _mm_cvtsi64_si128(static_cast<long long>(word));
@@ -188,8 +206,8 @@ inline VecF LoadI4(const void* data, int64_t idx, I4Params p) {
       _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)),
                         _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4)),
       _mm512_set1_epi32(0xf));
-  const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, _mm512_set1_epi32(8 + p.zero)));
-  return RoundBf16F(_mm512_mul_ps(q, _mm512_set1_ps(p.scale)));
+  const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(u, g.bias));
+  return RoundBf16F(_mm512_mul_ps(q, g.scale));
 }
 
 template <ElemType T>
@@ -278,10 +296,19 @@ inline VecF LoadWeightF(const void* data, int64_t idx, float s) {
 template <ElemType T, bool kRoundFp8>
 inline VecF LoadWeightF(const Operand& b, int64_t idx, int64_t k, int64_t j) {
   if constexpr (T == ElemType::kI4) {
-    return LoadI4(b.data, idx, I4ParamsAt(b, I4Group(b, k, j)));
+    return LoadI4(b.data, idx, LanesOf(I4ParamsAt(b, I4Group(b, k, j))));
   } else {
     return LoadWeightF<T, kRoundFp8>(b.data, idx, Scale<T>(b, k, j));
   }
+}
+
+// The lanes of int4 element (k, j)'s group, and where along `pos` (the
+// nibbles' dimension, k or j) the next group starts: loops over vectors look
+// a group up once, not per vector.
+inline I4Lanes GroupLanes(const Operand& b, int64_t k, int64_t j, int64_t pos, int64_t extent,
+                          int64_t& next_group) {
+  next_group = (DivGroup(pos, extent) + 1) * extent;
+  return LanesOf(I4ParamsAt(b, I4Group(b, k, j)));
 }
 
 // Whether B's vector loads along its contiguous dimension (kVl elements from
@@ -351,8 +378,19 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
       if (b.col_stride == 1) {
         for (int64_t k = 0; k < k_size; ++k) {
           const int64_t base = (k0 + k) * b.row_stride + col0;
-          for (int v = 0; v < kNr; v += kVl) {
-            StoreF(o + k * kNr + v, load(base + v, k0 + k, col0 + v));
+          if constexpr (T == ElemType::kI4) {
+            I4Lanes g;
+            int64_t next_group = -1;
+            for (int v = 0; v < kNr; v += kVl) {
+              if (col0 + v >= next_group || v == 0) {
+                g = GroupLanes(b, k0 + k, col0 + v, col0 + v, b.group_cols, next_group);
+              }
+              StoreF(o + k * kNr + v, LoadI4(b.data, base + v, g));
+            }
+          } else {
+            for (int v = 0; v < kNr; v += kVl) {
+              StoreF(o + k * kNr + v, load(base + v, k0 + k, col0 + v));
+            }
           }
         }
         continue;
@@ -361,11 +399,26 @@ void PackBF32(const Operand& b, int64_t k0, int64_t k_size, int64_t n0, int64_t 
       // start at multiples of kVl from k0 (a multiple of the block size kb),
       // so each lies in one 128-row scale block (or int4 group).
       int64_t k = 0;
+      // int4: the panel's columns' groups of the current run of k.
+      [[maybe_unused]] I4Lanes groups[T == ElemType::kI4 ? kNr : 1];
+      [[maybe_unused]] int64_t next_group = -1;
       for (; k + kVl <= k_size; k += kVl) {
+        if constexpr (T == ElemType::kI4) {
+          if (k0 + k >= next_group || k == 0) {
+            for (int j = 0; j < kNr; ++j) {
+              groups[j] = GroupLanes(b, k0 + k, col0 + j, k0 + k, b.group_rows, next_group);
+            }
+          }
+        }
         for (int v = 0; v < kNr; v += kVl) {
           VecF r[kVl];
           for (int j = 0; j < kVl; ++j) {
-            r[j] = load((col0 + v + j) * b.col_stride + k0 + k, k0 + k, col0 + v + j);
+            const int64_t idx = (col0 + v + j) * b.col_stride + k0 + k;
+            if constexpr (T == ElemType::kI4) {
+              r[j] = LoadI4(b.data, idx, groups[v + j]);
+            } else {
+              r[j] = load(idx, k0 + k, col0 + v + j);
+            }
           }
           Transpose(r);
           for (int t = 0; t < kVl; ++t) StoreF(o + (k + t) * kNr + v, r[t]);
@@ -538,15 +591,30 @@ inline void StreamColumns(int64_t j0, int64_t k_size, const Operand& a, const Op
   VecF acc[kM][kC];
   for (int i = 0; i < kM; ++i)
     for (int j = 0; j < kC; ++j) acc[i][j] = ZeroF();
+  // int4: the columns' groups of the current run of k.
+  [[maybe_unused]] I4Lanes groups[kC];
+  [[maybe_unused]] int64_t next_group = -1;
   int64_t k = 0;
   for (; k + kVl <= k_size; k += kVl) {
     VecF x[kM];
     for (int i = 0; i < kM; ++i) x[i] = LoadF<TA>(a.data, i * a.row_stride + k);
+    if constexpr (T == ElemType::kI4) {
+      if (k >= next_group) {
+        for (int j = 0; j < kC; ++j) {
+          groups[j] = GroupLanes(b, k, j0 + j, k, b.group_rows, next_group);
+        }
+      }
+    }
     for (int j = 0; j < kC; ++j) {
       // The next columns' rows asked for ahead (float32 streamed as fast
       // without, within noise, so not there).
       if constexpr (T != ElemType::kF32) Prefetch<T>(b.data, (j0 + kC + j) * b.col_stride + k);
-      const VecF w = LoadWeightF<T, kRoundFp8>(b, (j0 + j) * b.col_stride + k, k, j0 + j);
+      VecF w;
+      if constexpr (T == ElemType::kI4) {
+        w = LoadI4(b.data, (j0 + j) * b.col_stride + k, groups[j]);
+      } else {
+        w = LoadWeightF<T, kRoundFp8>(b, (j0 + j) * b.col_stride + k, k, j0 + j);
+      }
       for (int i = 0; i < kM; ++i) acc[i][j] = FmaF(x[i], w, acc[i][j]);
     }
   }
@@ -574,11 +642,25 @@ inline void AddRows(int64_t k0, int64_t j0, int64_t width, const Operand& a, con
   for (int i = 0; i < kM; ++i)
     for (int kk = 0; kk < kK; ++kk) x[i][kk] = SetF(ValueAs<TA>(a, i, k0 + kk));
   const int64_t row = k0 * b.row_stride + j0;
+  // int4: the rows' groups of the current run of columns.
+  [[maybe_unused]] I4Lanes groups[kK];
+  [[maybe_unused]] int64_t next_group = -1;
   for (int64_t j = 0; j < width; j += kVl) {
+    if constexpr (T == ElemType::kI4) {
+      if (j0 + j >= next_group) {
+        for (int kk = 0; kk < kK; ++kk) {
+          groups[kk] = GroupLanes(b, k0 + kk, j0 + j, j0 + j, b.group_cols, next_group);
+        }
+      }
+    }
     VecF w[kK];
     for (int kk = 0; kk < kK; ++kk) {
       Prefetch<T>(b.data, row + (kK + kk) * b.row_stride + j);
-      w[kk] = LoadWeightF<T, kRoundFp8>(b, row + kk * b.row_stride + j, k0 + kk, j0 + j);
+      if constexpr (T == ElemType::kI4) {
+        w[kk] = LoadI4(b.data, row + kk * b.row_stride + j, groups[kk]);
+      } else {
+        w[kk] = LoadWeightF<T, kRoundFp8>(b, row + kk * b.row_stride + j, k0 + kk, j0 + j);
+      }
     }
     for (int i = 0; i < kM; ++i) {
       VecF sum = LoadPlainF(&acc[i][j]);

@@ -1,5 +1,5 @@
 // Generation of expert-layer problems; see expert_problem.h.
-#include "experts/expert_problem.h"
+#include "tests/support/expert_problem.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

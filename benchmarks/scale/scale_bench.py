@@ -57,12 +57,14 @@ run is reported with moefit's reason; the others still run.
     cmake --build build -j2 --target moefit expert_kernel_bench
     ~/.cache/moefit/venv/bin/python benchmarks/scale/scale_bench.py \\
         [--build build] [--work-dir DIR] [--keep] [--quick] [--formats bf16,fp8,int4] \\
-        [--procs 1,2] [--moe-layers 2] [--experts 64] [--dense-layers 0] [--steps 4]
+        [--procs 1,2] [--moe-layers 2] [--experts 32] [--dense-layers 0] [--steps 4] \\
+        [--packed-weight-gb 2]
 
-The defaults need about 11 GB of disk (--experts 64: 22 GB) and fit 24 GiB of RAM; the
-generated directories go to a new run-* directory under --work-dir (default:
-<build>/scale_bench), deleted at the end unless --keep. --quick runs a narrower model (hidden 1024)
-end to end in about a minute; ctest runs it (benchmark_scale_quick).
+The defaults need about 11 GB of disk (--experts 64: 22 GB) and fit in 24 GiB
+of RAM; the checkpoints go to a new run-* directory under --work-dir (default:
+<build>/scale_bench), deleted at the end unless --keep. --quick runs a
+narrower model (hidden 1024) end to end in one to two minutes; ctest runs it
+(benchmark_scale_quick).
 """
 import argparse
 import collections
@@ -93,6 +95,7 @@ ATTENTION = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"
 GOAL_BYTES = {"fp8": 1.15, "int4": 0.6}
 GOAL_PLAN_ERROR = 0.10
 GOAL_KERNEL_ROWS = (16, 64)
+# mpirun refuses to start as root without these (containers).
 MPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 

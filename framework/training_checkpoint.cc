@@ -37,6 +37,7 @@
 #include "checkpoint/training_manifest.h"
 #include "framework/adamw.h"
 #include "framework/output_dir.h"
+#include "parallel/fault_injection.h"
 #include "parallel/progress.h"
 #include "proto/status_macros.h"
 #include "proto/training_checkpoint.pb.h"
@@ -247,6 +248,7 @@ absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir, int64_t steps
     MOEFIT_ASSIGN_OR_RETURN(proto::CheckpointFile f, dense.Finish());
     files->push_back(std::move(f));
     MaybeKill("after_first_file", rank, steps_done);
+    parallel::MaybeInjectFaultInSave(steps_done);
   }
   if (groups.ep_group_idx == 0) {
     // The first copy of the experts; replicas hold the same numbers.
@@ -259,7 +261,10 @@ absl::Status WriteRankFiles(Trainer& trainer, const fs::path& dir, int64_t steps
     }
     MOEFIT_ASSIGN_OR_RETURN(proto::CheckpointFile f, experts.Finish());
     files->push_back(std::move(f));
-    if (rank != 0) MaybeKill("after_first_file", rank, steps_done);
+    if (rank != 0) {
+      MaybeKill("after_first_file", rank, steps_done);
+      parallel::MaybeInjectFaultInSave(steps_done);
+    }
   }
   FileBuilder rng(dir, RngFile(rank), rank);
   for (auto& [device, gen] : Generators(model)) {
@@ -629,6 +634,8 @@ absl::Status SaveTrainingCheckpoint(Trainer& trainer, int64_t steps_done,
   const std::string name = checkpoint::StepDirName(steps_done);
   const fs::path final_dir = save_dir / name;
   const fs::path partial = save_dir / ("." + name + ".partial");
+  // Named in the watchdog's message should a peer go missing during the save.
+  const parallel::ScopedPhase phase("saving a training checkpoint");
   absl::Status status;
   if (world.rank() == 0) {
     std::error_code ec;

@@ -19,7 +19,7 @@ namespace {
 
 constexpr char kGrammar[] =
     "expected stall:rank=R:step=S, crash:rank=R:step=S or slow:rank=R:ms=M[:step=S], each "
-    "optionally with :layer=L";
+    "optionally with :layer=L or :at=save";
 
 // The fault armed for this process, if any: written once at start-up, before
 // any step runs, and read by the thread that runs the steps.
@@ -34,13 +34,39 @@ absl::Status Invalid(absl::string_view spec, absl::string_view why) {
 }
 
 void Announce(const FaultSpec& fault, absl::string_view what, int64_t step) {
-  const std::string where =
-      fault.layer >= 0 ? absl::StrCat(" in layer ", fault.layer) : std::string();
+  const std::string where = fault.in_save      ? std::string(" in the checkpoint save")
+                            : fault.layer >= 0 ? absl::StrCat(" in layer ", fault.layer)
+                                               : std::string();
   std::fprintf(stderr, "moefit: MOEFIT_FAULT: rank %d %s at step %lld%s (unix time %lld)\n",
                fault.rank, std::string(what).c_str(), static_cast<long long>(step), where.c_str(),
                static_cast<long long>(absl::ToUnixSeconds(absl::Now())));
   std::fflush(stderr);
 }
+
+void Inject(const FaultSpec& fault, int64_t step) {
+  switch (fault.kind) {
+    case FaultSpec::Kind::kStall:
+      Announce(fault, "stalls", step);
+      while (true) absl::SleepFor(absl::Hours(1));
+    case FaultSpec::Kind::kCrash:
+      Announce(fault, "crashes (SIGKILL)", step);
+      std::raise(SIGKILL);
+      std::_Exit(137);  // not reached
+    case FaultSpec::Kind::kSlow: {
+      static bool announced = false;
+      if (!announced) {
+        const char* every = fault.in_save ? " per save, starting" : " per step, starting";
+        Announce(fault, absl::StrCat("sleeps ", fault.ms, " ms", fault.step == 0 ? every : ""),
+                 step);
+      }
+      announced = true;
+      absl::SleepFor(absl::Milliseconds(fault.ms));
+      return;
+    }
+  }
+}
+
+bool Due(const FaultSpec& fault, int64_t step) { return fault.step == 0 || fault.step == step; }
 
 }  // namespace
 
@@ -65,6 +91,11 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(absl::string_view spec) {
     const absl::string_view key = key_value[0];
     const absl::string_view value = key_value[1];
     if (!seen.insert(key).second) return Invalid(spec, absl::StrCat("'", key, "' given twice"));
+    if (key == "at") {
+      if (value != "save") return Invalid(spec, absl::StrCat("at = '", value, "': only 'save'"));
+      fault.in_save = true;
+      continue;
+    }
     int64_t number = 0;
     if (!absl::SimpleAtoi(value, &number)) {
       return Invalid(spec, absl::StrCat(key, " = '", value, "' is not an integer"));
@@ -86,6 +117,8 @@ absl::StatusOr<FaultSpec> ParseFaultSpec(absl::string_view spec) {
     }
   }
   if (!seen.count("rank")) return Invalid(spec, "rank is missing");
+  if (fault.in_save && fault.layer >= 0)
+    return Invalid(spec, "layer and at=save exclude each other");
   if (fault.kind == FaultSpec::Kind::kSlow) {
     if (!seen.count("ms")) return Invalid(spec, "ms is missing");
   } else if (!seen.count("step")) {
@@ -108,30 +141,14 @@ absl::Status InstallFaultFromEnvironment(int world_rank) {
 
 void MaybeInjectFault(int64_t step, int64_t layer) {
   const std::optional<FaultSpec>& fault = Armed();
-  if (!fault.has_value() || (fault->step != 0 && fault->step != step) || fault->layer != layer) {
-    return;
-  }
-  switch (fault->kind) {
-    case FaultSpec::Kind::kStall:
-      Announce(*fault, "stalls", step);
-      while (true) absl::SleepFor(absl::Hours(1));
-    case FaultSpec::Kind::kCrash:
-      Announce(*fault, "crashes (SIGKILL)", step);
-      std::raise(SIGKILL);
-      std::_Exit(137);  // not reached
-    case FaultSpec::Kind::kSlow: {
-      static bool announced = false;
-      if (!announced) {
-        Announce(*fault,
-                 absl::StrCat("sleeps ", fault->ms, " ms",
-                              fault->step == 0 ? " per step, starting" : ""),
-                 step);
-      }
-      announced = true;
-      absl::SleepFor(absl::Milliseconds(fault->ms));
-      return;
-    }
-  }
+  if (!fault.has_value() || fault->in_save || !Due(*fault, step) || fault->layer != layer) return;
+  Inject(*fault, step);
+}
+
+void MaybeInjectFaultInSave(int64_t steps_done) {
+  const std::optional<FaultSpec>& fault = Armed();
+  if (!fault.has_value() || !fault->in_save || !Due(*fault, steps_done)) return;
+  Inject(*fault, steps_done);
 }
 
 }  // namespace moefit::parallel

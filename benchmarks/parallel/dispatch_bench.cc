@@ -23,6 +23,11 @@
 //     then pipelined over 2, 4, ... up to --max_chunks token chunks
 //     (parallel.dispatch_chunks), with the share of the one-chunk run's
 //     communication time that pipelining hid.
+//  3. Bytes, counted rather than timed (step_traffic.h): what crosses between
+//     ranks in one layer's dispatch and combine, forward and backward, under
+//     the uniform routing of part 1, and in one training step of the demo
+//     model of part 2, with deduplication (what moefit sends) and one row per
+//     (token, slot) (what it sent before), summed over ranks.
 //
 //   mpirun -np 2 --oversubscribe build/benchmarks/dispatch_bench [--tokens=4096]
 //        [--hidden=2048] [--top_k=8] [--experts=32] [--reps=10] [--steps=6]
@@ -43,12 +48,14 @@
 #include <sstream>
 #include <vector>
 
+#include "benchmarks/parallel/step_traffic.h"
 #include "framework/data.h"
 #include "framework/host_allocator.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
+#include "parallel/counting_communicator.h"
 #include "parallel/dispatcher.h"
 #include "parallel/local_communicator.h"
 #include "parallel/mpi_communicator.h"
@@ -70,7 +77,8 @@ Flags ParseFlags(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     auto take = [&](const char* name, int64_t* out) {
       const size_t n = std::strlen(name);
-      if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=') *out = std::atoll(argv[i] + n + 1);
+      if (std::strncmp(argv[i], name, n) == 0 && argv[i][n] == '=')
+        *out = std::atoll(argv[i] + n + 1);
     };
     take("--tokens", &f.tokens);
     take("--hidden", &f.hidden);
@@ -298,6 +306,41 @@ void StepSplit(moefit::parallel::ProcessGroups& groups, const Flags& f) {
   }
 }
 
+// Part 3: the counted bytes.
+void CountedBytes(moefit::parallel::ProcessGroups& groups, const Flags& f) {
+  using namespace moefit;
+  const int rank = groups.world->rank();
+  if (rank == 0) {
+    std::printf("bytes that cross between ranks (%d ranks), counted, summed over ranks:\n",
+                groups.world->size());
+  }
+  bench::PrintTraffic(rank,
+                      "uniform routing as above, hidden " + std::to_string(f.hidden) + " fp32",
+                      bench::CountUniformLayer(groups.expert_parallel, f.tokens, f.hidden, f.top_k,
+                                               f.experts, at::kFloat, 7));
+  if (f.steps <= 1) return;
+  // One step of part 2's demo model (as initialized), on its first global batch.
+  auto config = launch::LoadConfig("", {"train.micro_batch_size=8", "logging.metrics_file="});
+  auto run = launch::ResolveConfig(*config);
+  if (!run.ok()) parallel::AbortAll(1, run.status().ToString());
+  auto counting = parallel::CountingCommunicator::Create(groups.expert_parallel);
+  run->runtime.expert_group = counting;
+  auto data = framework::TokenDataset::FromText(launch::ShippedCorpus(), run->seq_len, "corpus");
+  auto model = framework::MoeModel::Create(run->model, run->runtime, run->train.seed);
+  if (!data.ok() || !model.ok()) parallel::AbortAll(1, "cannot build the demo model");
+  const int64_t per_rank = run->train.micro_batch_size, world = groups.world->size();
+  framework::BatchSampler sampler(data->num_sequences(), run->train.seed);
+  const std::vector<int64_t> global = sampler.GlobalBatch(0, per_rank * world);
+  const std::vector<int64_t> mine(global.begin() + per_rank * rank,
+                                  global.begin() + per_rank * (rank + 1));
+  const framework::ModelOptions& o = (*model)->options();
+  bench::PrintTraffic(
+      rank,
+      "a training step of the demo model, top-" + std::to_string(o.num_experts_per_tok) + " of " +
+          std::to_string(o.num_experts) + " experts, hidden " + std::to_string(o.hidden_size),
+      bench::CountModelStep(**model, *counting, *groups.world, data->Gather(mine)));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -323,6 +366,7 @@ int main(int argc, char** argv) {
   try {
     DispatchVersusAlltoallv(*groups, f);
     if (f.steps > 1) StepSplit(*groups, f);
+    CountedBytes(*groups, f);
   } catch (const std::exception& e) {
     parallel::AbortAll(1, e.what());
   }

@@ -4,7 +4,7 @@
 // few rows, in registers as they are streamed), never as a whole tensor.
 //
 // Why not LibTorch's mm: on CPUs without AVX-512 BF16 the wheel's bfloat16
-// GEMM has no fast kernel (about 50x slower than its float32 one), it has no
+// GEMM has no fast kernel (far slower than its float32 one), it has no
 // FP8 GEMM at all, and the expert layer calls it thousands of times per step
 // on small per-expert blocks. Here:
 //   * The operands are strided views (any layout, transposed or not, in the

@@ -48,12 +48,12 @@ inline bool MultipliesInBf16(Isa isa) { return isa >= Isa::kAvx512Bf16; }
 bool MultipliesBf16Pairs(Isa isa);
 
 // vdpbf16ps's multiply-adds per second over float32 FMA's on this CPU,
-// measured once per process on the first call (about 2 ms); 0 on a CPU
+// measured once per process on the first call (a short timing loop); 0 on a CPU
 // without AVX-512 BF16. For logs and benchmark reports.
 double Bf16PairSpeed();
 
 // IsaName, and for avx512_bf16 the form it multiplies in, e.g.
-// "avx512_bf16 (weights widened to float32: vdpbf16ps at 0.49x the FMA's
+// "avx512_bf16 (weights widened to float32: vdpbf16ps at R x the FMA's
 // multiply-adds per second)", and, where the set streams a few rows of FP8
 // weights through lookup tables, the rows up to which it does ("; FP8
 // lookup tables up to 6 rows in forward GEMMs, 8 in dX", measured on first

@@ -99,10 +99,9 @@ double SecondsFor(int64_t iters, volatile float& sink) {
 }  // namespace
 
 double MeasureBf16PairSpeed() {
-  // About 20 us per round of each on a 2-3 GHz core; the fastest of 16
-  // interleaved rounds, after one to wake the vector units: a round slowed by
-  // an interrupt or a neighbour does not count, and both kinds see the same
-  // moments of the machine.
+  // Short rounds, the fastest of 16 interleaved ones, after one to wake the
+  // vector units: a round slowed by an interrupt or a neighbour does not
+  // count, and both kinds see the same moments of the machine.
   constexpr int64_t kFmaIters = 4096, kPairIters = 1024;
   volatile float sink = 0;
   SecondsFor<false>(kFmaIters, sink);

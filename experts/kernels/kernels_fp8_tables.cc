@@ -223,10 +223,9 @@ template <int kM, ElemType TA>
 void KContiguous(int64_t n, int64_t k_size, const Operand& a, const Operand& b, const Output& c,
                  bool accumulate, const Tables& tables, const Spread& s) {
   // Sums, table and spread within the 32 vector registers. More columns at
-  // once keep more independent sums and weight rows in flight: at one row on
-  // one core of a Zen 4 (H 2048, I 768, forward + dX), 8 columns took
-  // 0.49-0.57 ms with the weights in cache against 0.76 ms for 4, and
-  // 0.61-0.67 ms against 0.72-0.88 ms from memory; 16 were no faster.
+  // once keep more independent sums and weight rows in flight, up to where
+  // the registers run out (benchmarks/README.md gives the measurements
+  // behind the counts).
   constexpr int kC = kM <= 2 ? 8 : kM <= 4 ? 4 : 2;
   thread_local std::vector<float> buf;
   const float* xv = VectorsOfA<kM, TA>(a, k_size, buf);
@@ -338,8 +337,8 @@ void ExpandFp8PairsByTables(int k_pad_pairs, const uint8_t* compact, const Opera
       const Planes planes = LoadPlanes(tables.At(2 * q0, n0 + p * kNr - j_base));
       const int64_t q_end = MinI(q0 + kScaleBlock / 2, kp);
       for (int64_t q = q0; q < q_end; ++q) {
-        // 8 KiB ahead: at 16 rows 1.1-1.3x as fast as 2 KiB, 1.3x as 32 KiB
-        // (one core of a Xeon with AMX, packs in memory).
+        // 8 KiB ahead: far enough for packs in memory to arrive in time,
+        // near enough not to evict what the next pair-rows need.
         _mm_prefetch(reinterpret_cast<const char*>(in + (q + 128) * kNr * 2), _MM_HINT_T0);
         const Looked v = LookUpBytes(planes, _mm512_loadu_si512(in + q * kNr * 2));
         _mm512_storeu_si512(o + q * kNr * 4, _mm512_permutex2var_epi8(v.lo, mix.idx[0], v.hi));

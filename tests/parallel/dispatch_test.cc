@@ -2,14 +2,17 @@
 // the owner of its expert and comes back weighted; a token travels once per
 // owner rank; alltoall and allgather agree on outputs and gradients, the
 // routing weights' included; the pipelined run over token chunks equals one
-// chunk. Includes a rank that sends nothing (no tokens) and an expert that
-// receives nothing, with an expert count that does not divide.
+// chunk; the bytes that cross between ranks, counted, are one row per
+// (token, owner rank) each way. Includes a rank that sends nothing (no tokens)
+// and an expert that receives nothing, with an expert count that does not
+// divide.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
 
+#include "parallel/counting_communicator.h"
 #include "parallel/dispatcher.h"
 #include "tests/parallel/mpi_test_env.h"
 
@@ -198,6 +201,78 @@ TEST(Dispatchers, AllToAllAndAllGatherAgreeOnOutputsAndGradients) {
   EXPECT_TRUE(at::allclose(weight_grads[0], expected, 1e-12, 1e-12))
       << "rank " << s.world->rank() << ": "
       << (weight_grads[0] - expected).abs().max().item<double>();
+}
+
+// The bytes that cross between ranks, counted by a CountingCommunicator under
+// the alltoall dispatcher, are exactly one row per (token, owner rank) pair
+// with its k routing weights and k local expert indices, and one summed row
+// back: fewer than one row per (token, slot) each way. In backward the same
+// rows go the opposite way (the routing weights' gradients with them, the
+// indices not). Every rank's case is known everywhere (MakeCase), so each
+// rank checks its bytes in as well as out.
+TEST(Dispatchers, CountedBytesAreOneRowPerTokenAndOwnerRank) {
+  const DispatchSetup s = MakeSetup();
+  const int world = s.world->size(), self = s.world->rank();
+  const int64_t num_experts = s.placement.num_experts();
+  // pairs[r][q], slots[r][q]: rank r's (token, owner q) pairs and (token, slot)
+  // assignments to q.
+  std::vector<std::vector<int64_t>> pairs(world, std::vector<int64_t>(world, 0)), slots = pairs;
+  for (int r = 0; r < world; ++r) {
+    const Case c = MakeCase(r, num_experts);
+    for (int64_t t = 0; t < c.topk_idx.size(0); ++t) {
+      std::vector<bool> seen(world, false);
+      for (int64_t j = 0; j < kTopK; ++j) {
+        const int q = s.placement.owner(c.topk_idx[t][j].item<int64_t>());
+        ++slots[r][q];
+        if (!seen[q]) ++pairs[r][q];
+        seen[q] = true;
+      }
+    }
+  }
+  int64_t pairs_out = 0, pairs_in = 0, slots_out = 0;
+  for (int q = 0; q < world; ++q) {
+    if (q == self) continue;
+    pairs_out += pairs[self][q];
+    pairs_in += pairs[q][self];
+    slots_out += slots[self][q];
+  }
+  constexpr int64_t kDouble = 8, kIndex = 8;    // the case's rows and weights; int64 indices
+  const int64_t counts = (world - 1) * kIndex;  // one count per peer (one chunk)
+  const int64_t row = kHidden * kDouble, meta = kTopK * (kDouble + kIndex);
+
+  auto counting = CountingCommunicator::Create(s.world);
+  absl::StatusOr<std::unique_ptr<Dispatcher>> dispatcher =
+      CreateDispatcher("alltoall", counting, s.placement);
+  ASSERT_TRUE(dispatcher.ok()) << dispatcher.status();
+  at::Tensor x = s.c.x.clone().requires_grad_(true);
+  at::Tensor w = s.c.topk_weight.clone().requires_grad_(true);
+  DispatchedRows d = (*dispatcher)->Dispatch(x, s.c.topk_idx, w);
+  at::Tensor back = (*dispatcher)->Combine(FakeExperts(d, s.first_expert, s.num_local), *d.route);
+  const TrafficCount forward = counting->total();
+  back.sum().backward();
+  TrafficCount backward = counting->total();
+  backward -= forward;
+
+  const std::string what = "rank " + std::to_string(self) + " of " + std::to_string(world);
+  EXPECT_EQ(forward.bytes_out, counts + pairs_out * (row + meta) + pairs_in * row) << what;
+  EXPECT_EQ(forward.bytes_in, counts + pairs_in * (row + meta) + pairs_out * row) << what;
+  EXPECT_EQ(backward.bytes_out, pairs_out * row + pairs_in * (row + kTopK * kDouble)) << what;
+  EXPECT_EQ(backward.bytes_in, pairs_in * row + pairs_out * (row + kTopK * kDouble)) << what;
+  EXPECT_EQ(backward.calls, world == 1 ? 0 : 3) << what;  // rows' and weights' gradients back
+  // Nothing but all-to-alls, and deduplication moved fewer rows than slots.
+  EXPECT_EQ(counting->total().payload_bytes, 0) << what;
+  EXPECT_LE(pairs_out, slots_out) << what;
+  int64_t all_pairs = 0, all_slots = 0;  // crossing, over every rank
+  for (int r = 0; r < world; ++r) {
+    for (int q = 0; q < world; ++q) {
+      if (q == r) continue;
+      all_pairs += pairs[r][q];
+      all_slots += slots[r][q];
+    }
+  }
+  if (world > 1) {
+    EXPECT_LT(all_pairs, all_slots);
+  }
 }
 
 // Dispatcher::Run over 2, 3 and 16 chunks (more than some ranks' tokens, so

@@ -13,6 +13,8 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -191,11 +193,34 @@ TEST(FaultSpecTest, ParsesEachKindWithKeysInAnyOrder) {
   EXPECT_EQ(slow->kind, FaultSpec::Kind::kSlow);
   EXPECT_EQ(slow->rank, 3);
   EXPECT_EQ(slow->ms, 2000);
-  EXPECT_EQ(slow->step, 0);  // every step
+  EXPECT_EQ(slow->step, 0);    // every step
   EXPECT_EQ(slow->layer, -1);  // at the start of the step
   absl::StatusOr<FaultSpec> in_layer = ParseFaultSpec("stall:rank=1:step=3:layer=2");
   ASSERT_TRUE(in_layer.ok()) << in_layer.status();
   EXPECT_EQ(in_layer->layer, 2);
+  EXPECT_FALSE(in_layer->in_save);
+  absl::StatusOr<FaultSpec> in_save = ParseFaultSpec("slow:at=save:rank=1:ms=3000:step=4");
+  ASSERT_TRUE(in_save.ok()) << in_save.status();
+  EXPECT_TRUE(in_save->in_save);
+  EXPECT_EQ(in_save->step, 4);
+  EXPECT_EQ(in_save->layer, -1);
+}
+
+// A fault given at=save acts in the save after its step, and nowhere else.
+TEST(FaultSpecTest, ASaveFaultActsOnlyInTheSaveAfterItsStep) {
+  ASSERT_EQ(setenv("MOEFIT_FAULT", "slow:rank=0:ms=300:step=2:at=save", 1), 0);
+  ASSERT_TRUE(InstallFaultFromEnvironment(0).ok());
+  const auto took = [](const std::function<void()>& fn) {
+    const absl::Time start = absl::Now();
+    fn();
+    return absl::Now() - start;
+  };
+  EXPECT_LT(took([] { MaybeInjectFault(2); }), absl::Milliseconds(300));
+  EXPECT_LT(took([] { MaybeInjectFaultInSave(1); }), absl::Milliseconds(300));
+  EXPECT_GE(took([] { MaybeInjectFaultInSave(2); }), absl::Milliseconds(300));
+  ASSERT_EQ(unsetenv("MOEFIT_FAULT"), 0);
+  ASSERT_TRUE(InstallFaultFromEnvironment(0).ok());
+  EXPECT_LT(took([] { MaybeInjectFaultInSave(2); }), absl::Milliseconds(300));
 }
 
 TEST(FaultSpecTest, RejectsEverySpecThatDoesNotParse) {
@@ -211,6 +236,8 @@ TEST(FaultSpecTest, RejectsEverySpecThatDoesNotParse) {
       {"stall:rank=1:step=0", "step must be >= 1"},
       {"stall:rank=1:step", "'step' is not key=value"},
       {"crash:rank=1:step=2:layer=-1", "layer must be >= 0"},
+      {"slow:rank=1:ms=5:at=load", "at = 'load': only 'save'"},
+      {"slow:rank=1:ms=5:at=save:layer=1", "layer and at=save exclude each other"},
   };
   for (const auto& [spec, why] : cases) {
     absl::StatusOr<FaultSpec> fault = ParseFaultSpec(spec);

@@ -47,14 +47,9 @@ inline constexpr int64_t kFp8TableMaxRows = 8;
 // The most rows the tables take, per layout of B: B k-contiguous (the
 // forward GEMMs' Wᵀ) and n-contiguous (dX's W). Their advantage over the
 // decoder falls as rows add multiply-adds, and where it ends depends on the
-// CPU: on one core of a Zen 5 (H 2048, I 768) the tables ran 1.2-2.3x as
-// fast as the decoder at 1-3 rows k-contiguous and 0.9-1.0x at 4, 1.0-2.4x
-// at 1-5 rows n-contiguous and 1.0x at 6; on a Xeon with AMX forward + dX
-// together ran 1.29x, 1.20x and 1.12x as fast at 4, 5 and 6 rows; on a Zen 4,
-// since the tables hold 128 entries and the forward sums 8 columns at once
-// for up to 2 rows, they measure as the faster up to 7 or 8 rows in both
-// layouts. So the limits are measured once per process
-// (MeasureFp8TableRows), unless held.
+// CPU (from about 4 rows to 8 on the CPUs benchmarks/README.md lists). So
+// the limits are measured once per process (MeasureFp8TableRows), unless
+// held.
 struct Fp8TableRowLimits {
   int64_t k_contiguous = 0, n_contiguous = 0;
 };
@@ -62,9 +57,9 @@ Fp8TableRowLimits Fp8TableRows();
 
 // Times the tables against the decoder on this core for 1..kFp8TableMaxRows
 // rows of an in-cache FP8 weight (1024 x 512) in each layout, on `isa` (a
-// set that multiplies bfloat16), fastest of several interleaved rounds
-// (about 20 ms in all): each limit is the most rows up to which the tables
-// were the faster at every row count. Only where Fp8TablesUsable().
+// set that multiplies bfloat16), fastest of several interleaved rounds:
+// each limit is the most rows up to which the tables were the faster at
+// every row count. Only where Fp8TablesUsable().
 Fp8TableRowLimits MeasureFp8TableRows(Isa isa);
 
 // Holds the limits (nullopt: back to the measured ones): for the tests that

@@ -124,8 +124,8 @@ void ExpandFp8Pairs(const uint8_t* compact, const Operand& b, int64_t k0, int64_
     const uint8_t* in = compact + p * kp_padded * kNr * 2;
     auto* o = static_cast<uint32_t*>(out) + p * kp_padded * kNr;
     for (int64_t q = 0; q < kp; ++q) {
-      // Without this, a pack in memory (not cache) expanded at 0.4x the
-      // speed it does with it (Xeon with AMX, 16 rows).
+      // A pack in memory (not cache) is read ahead of its expansion, which
+      // the hardware prefetcher does not do across these strides.
       _mm_prefetch(reinterpret_cast<const char*>(in + (q + 32) * kNr * 2), _MM_HINT_T0);
       const float s = Scale<kF8>(b, k0 + 2 * q, n0 + p * kNr);
       for (int v = 0; v < 2 * kNr; v += 16) {

@@ -19,11 +19,19 @@
 #             neither, and its rank must end by its own deadline;
 #   cut_stop  host 2's port goes down and its daemon stops (SIGSTOP): the
 #             rank's request to end the job is never answered, and it must
-#             end by itself (exit code 124) within the bound.
+#             end by itself (exit code 124) within the bound;
+#   cut_save  host 2's port goes down while the training checkpoint of step 4
+#             is being saved (rank 1 holds the save open after its first file,
+#             MOEFIT_FAULT=...:at=save): the save is never published; every
+#             rank ends within parallel.startup_timeout_s (the deadline
+#             outside steps) + 15 s, each naming the collective of the save it
+#             waited for; the checkpoint of step 2 stays the only complete
+#             one, and a run resumed from it on the hosts (the link back up)
+#             gives the uninterrupted run's losses bit for bit.
 # Exits 77 (ctest's SKIP_RETURN_CODE) with the reason where network
 # namespaces cannot be made (not root, no `ip netns`, no veth).
 set -u
-usage="usage: $0 equal|equal3|cut|kill|cut_kill|cut_stop MOEFIT WORK_DIR"
+usage="usage: $0 equal|equal3|cut|kill|cut_kill|cut_stop|cut_save MOEFIT WORK_DIR"
 [ $# -eq 3 ] || { echo "$usage" >&2; exit 2; }
 mode=$1
 moefit=$2
@@ -36,7 +44,7 @@ bound_s=$((timeout_s + 15))
 steps=400  # far more than the cases that fail on purpose get through
 
 case "$mode" in
-  equal | equal3 | cut | kill | cut_kill | cut_stop) ;;
+  equal | equal3 | cut | kill | cut_kill | cut_stop | cut_save) ;;
   *) echo "$usage (got mode '$mode')" >&2; exit 2 ;;
 esac
 if ! why=$(netns_check); then
@@ -114,6 +122,86 @@ if [ "$mode" = equal ] || [ "$mode" = equal3 ]; then
   exit 0
 fi
 
+# The ranks, by host.
+# (A rank that has exited but is not yet reaped, a zombie, has ended.)
+ranks_in() { local p; for p in $(ip netns pids "$1" 2>/dev/null); do
+  [ "$(ps -o comm=,stat= -p "$p" 2>/dev/null | awk '$2 !~ /^Z/ { print $1 }')" = moefit ] \
+    && echo "$p"; done; }
+# Waits until no moefit rank runs on either host; prints the seconds since $1.
+wait_ranks_gone() {
+  while [ "$(elapsed "$1" "$(now)" | cut -d. -f1)" -lt "$2" ]; do
+    if [ -z "$(ranks_in "${NETNS_HOSTS[0]}")$(ranks_in "${NETNS_HOSTS[1]}")" ]; then
+      elapsed "$1" "$(now)"
+      return 0
+    fi
+    sleep 0.2
+  done
+  return 1
+}
+
+if [ "$mode" = cut_save ]; then
+  save_timeout_s=10
+  save_bound_s=$((save_timeout_s + 15))
+  hold_ms=3000  # rank 1 inside the save: well within the save's deadline
+  train=(train "${model[@]}" --set train.steps=6 --set train.micro_batch_size=2
+         --set parallel.timeout_s=$timeout_s --set parallel.startup_timeout_s=$save_timeout_s)
+  ckpt=(--set checkpoint.save_dir="$dir/ckpt" --set checkpoint.save_every_steps=2)
+  timeout 90 "${on_hosts[@]}" "$moefit" "${train[@]}" --set logging.metrics_file="$dir/whole.jsonl" \
+    >"$dir/whole.log" 2>&1 || fail "the uninterrupted run failed"
+  held="MOEFIT_FAULT: rank 1 sleeps $hold_ms ms at step 4 in the checkpoint save"
+  "${NETNS_MPIRUN[@]}" -np 2 --hostfile "$dir/hosts" "${threads[@]}" \
+    -x MOEFIT_FAULT="slow:rank=1:ms=$hold_ms:step=4:at=save" "$here/netns_rank_stderr.sh" "$dir" \
+    "$moefit" "${train[@]}" "${ckpt[@]}" --set logging.metrics_file="$dir/cut.jsonl" \
+    >"$dir/run.log" 2>&1 &
+  disown
+  for _ in $(seq 1 900); do
+    grep -q "$held" "$dir/rank1.err" 2>/dev/null && break
+    sleep 0.1
+  done
+  grep -q "$held" "$dir/rank1.err" 2>/dev/null || fail "rank 1 did not reach the save of step 4"
+  t_cut=$(now)
+  netns_cut 2
+  echo "cut while rank 1 is in the save of step 4 ($(ls -A "$dir/ckpt" | tr '\n' ' '))"
+  gone=$(wait_ranks_gone "$t_cut" $((save_bound_s + 10))) \
+    || fail "ranks still running $((save_bound_s + 10)) s after the cut"
+  echo "every rank on both hosts ended ${gone} s after the cut (bound:" \
+    "parallel.startup_timeout_s $save_timeout_s + 15 = $save_bound_s s)"
+  awk -v t="$gone" -v b="$save_bound_s" 'BEGIN { exit !(t <= b) }' \
+    || fail "the ranks took ${gone} s, more than $save_bound_s s"
+  for r in 0 1; do
+    line=$(grep -m1 "moefit: rank $r of 2 aborting the job" "$dir/rank$r.err")
+    echo "rank $r: ${line:-(no abort line)}" | cut -c1-400
+    grep -q "rank $r of 2 aborting the job (exit code 124): collective watchdog: .* did not finish within ${save_timeout_s}s (parallel.startup_timeout_s); outside training steps (last step begun: 4), saving a training checkpoint; last completed collective: " \
+      "$dir/rank$r.err" || fail "rank $r did not report the save's collective and its deadline"
+  done
+  complete=$(ls "$dir/ckpt" | tr '\n' ' ')
+  [ "$complete" = "step-00000002 " ] || fail "complete checkpoints after the cut: '$complete'"
+  # The save of step 4 began (every rank wrote files) but was never published.
+  unfinished="$dir/ckpt/.step-00000004.partial"
+  [ -d "$unfinished" ] || fail "no unfinished save of step 4"
+  [ ! -e "$unfinished/manifest.binpb" ] || fail "the save of step 4 got as far as its manifest"
+  echo "after the cut: complete step-00000002; unfinished, without a manifest:" \
+    "$(ls "$unfinished" | tr '\n' ' ')"
+  # The hosts again, the link up (mpirun still waits for host 2's daemon).
+  netns_setup "mfnet-$$" 2 || fail "could not make the simulated hosts again"
+  timeout 90 "${on_hosts[@]}" "$moefit" "${train[@]}" "${ckpt[@]}" \
+    --set checkpoint.resume_from=latest --set logging.metrics_file="$dir/resumed.jsonl" \
+    >"$dir/resumed.log" 2>&1 || fail "the resumed run failed"
+  grep -q "resumed from .*step-00000002 after step 2" "$dir/resumed.log" \
+    || fail "did not resume from the checkpoint of step 2"
+  per_step() { grep -o '"step":[^,]*,\|"loss":[^,]*\|"grad_norm":[^,]*' "$1"; }
+  [ "$(per_step "$dir/resumed.jsonl" | wc -l)" = 12 ] || fail "the resumed run did not log steps 3-6"
+  diff <(per_step "$dir/whole.jsonl" | tail -n 12) <(per_step "$dir/resumed.jsonl") \
+    || fail "the resumed run's losses differ from the uninterrupted run's"
+  [ -d "$dir/ckpt/step-00000006" ] || fail "no checkpoint of step 6 after the resumed run"
+  leftovers=$(ls -A "$dir/ckpt" | grep '^\.' | tr '\n' ' ')
+  [ -z "$leftovers" ] || fail "left behind after the resumed run's saves: $leftovers"
+  echo "ok: cut during the save of step 4: step 2 stayed complete; resumed on the hosts, steps 3-6" \
+    "equal the uninterrupted run's bit for bit"
+  rm -rf "$dir"
+  exit 0
+fi
+
 # --- the failure modes -------------------------------------------------------
 # With training checkpoints, as long runs have: after every step the ranks
 # agree on whether to stop or save (no save falls due here). Not when mpirun
@@ -131,11 +219,6 @@ for _ in $(seq 1 600); do
 done
 [ "$(grep -c . "$dir/run.jsonl" 2>/dev/null)" -ge 3 ] 2>/dev/null || fail "no 3 steps within 60 s"
 
-# The ranks, by host.
-# (A rank that has exited but is not yet reaped, a zombie, has ended.)
-ranks_in() { local p; for p in $(ip netns pids "$1" 2>/dev/null); do
-  [ "$(ps -o comm=,stat= -p "$p" 2>/dev/null | awk '$2 !~ /^Z/ { print $1 }')" = moefit ] \
-    && echo "$p"; done; }
 ranks1=$(ranks_in "${NETNS_HOSTS[0]}")
 ranks2=$(ranks_in "${NETNS_HOSTS[1]}")
 [ -n "$ranks1" ] && [ -n "$ranks2" ] || fail "expected a moefit rank on each host"
@@ -150,15 +233,7 @@ case "$mode" in
 esac
 echo "$mode after step $(grep -c . "$dir/run.jsonl") of $steps"
 
-gone=
-while [ "$(elapsed "$t_cut" "$(now)" | cut -d. -f1)" -lt $((bound_s + 10)) ]; do
-  if [ -z "$(ranks_in "${NETNS_HOSTS[0]}")$(ranks_in "${NETNS_HOSTS[1]}")" ]; then
-    gone=$(elapsed "$t_cut" "$(now)")
-    break
-  fi
-  sleep 0.2
-done
-[ -n "$gone" ] || fail "ranks still running $((bound_s + 10)) s after the $mode:" \
+gone=$(wait_ranks_gone "$t_cut" $((bound_s + 10))) || fail "ranks still running $((bound_s + 10)) s after the $mode:" \
   "$(netns_pids | xargs -r ps -o pid=,comm= -p | tr '\n' ' ')"
 echo "every rank on both hosts ended ${gone} s after the $mode (bound: parallel.timeout_s" \
   "$timeout_s + 15 = $bound_s s)"

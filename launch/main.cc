@@ -50,7 +50,8 @@ ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
 ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to evaluate");
 ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
-ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
+ABSL_FLAG(std::string, input_ids, "",
+          "eval: safetensors file holding \"input_ids\" [batch, tokens]");
 ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export, merge: largest shard in bytes");
 ABSL_FLAG(std::string, save_dtype, "",
           "export, merge: dtype of the written weights (float32, bfloat16)");
@@ -62,7 +63,15 @@ ABSL_FLAG(int64_t, gpus_per_node, 0, "plan: GPUs per node");
 ABSL_FLAG(double, gpu_gb, 0, "plan: memory per GPU, GiB");
 ABSL_FLAG(std::string, mode, "full", "plan: full (train every weight) or lora (adapters only)");
 ABSL_FLAG(int64_t, lora_rank, 16, "plan: LoRA rank");
-ABSL_FLAG(std::string, expert_dtype, "bf16", "plan: routed experts' dtype: fp32, bf16 or fp8");
+ABSL_FLAG(std::string, expert_dtype, "bf16",
+          "plan: routed experts' dtype: fp32, bf16, fp8 or int4");
+ABSL_FLAG(int64_t, int4_group_size, 0,
+          "plan: int4 experts' inputs per scale (0: the model config's quantization_config, "
+          "else 32)");
+ABSL_FLAG(double, packed_weight_gb, 2,
+          "plan: GiB of expert packs each process keeps (experts.packed_weight_gb)");
+ABSL_FLAG(std::string, cpu_isa, "amx_bf16",
+          "plan: the nodes' expert kernels: avx2, avx512, avx512_bf16 or amx_bf16");
 ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
 ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
 ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
@@ -119,17 +128,21 @@ std::string Usage() {
          "      as saved by M expert-parallel ranks, without building the model; under mpirun\n"
          "      the processes share the expert files.\n"
          "  plan --model CONFIG_JSON --nodes N --ram-gb R --gpus-per-node G --gpu-gb M\n"
-         "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8]\n"
+         "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8|int4]\n"
+         "       [--int4-group-size G4] [--packed-weight-gb P] [--cpu-isa ISA]\n"
          "       [--seq-len T] [--micro-batch B] [--json]\n"
          "      Whether the model of an HF config.json trains on N nodes of R GiB RAM and\n"
          "      G GPUs of M GiB each (experts in host RAM, num_experts/N per node; the dense\n"
          "      part replicated on every GPU, B x T tokens each), without building it: host\n"
-         "      RAM per node (expert weights, gradients, AdamW m and v, LoRA adapters,\n"
-         "      activations: T*B*G*top_k rows x MoE layers x (hidden + 2*moe_intermediate)\n"
-         "      elements), memory per GPU, all-to-all bytes per node and micro-batch\n"
-         "      (4 x MoE layers x (N-1)/N x rows x hidden elements), total and active\n"
-         "      parameters, the smallest node count that fits, and its assumptions.\n"
-         "      Defaults: full, rank 16, bf16, T 4096, B 1. fp8 experts need --mode lora.\n"
+         "      RAM per node (expert weights, gradients, AdamW m and v, LoRA adapters, the\n"
+         "      expert kernels' kept packs: up to P GiB for each of the G processes, sized\n"
+         "      for ISA's kernels; activations: T*B*G*top_k rows x MoE layers x\n"
+         "      (hidden + 2*moe_intermediate) elements), memory per GPU, all-to-all bytes\n"
+         "      per node and micro-batch (4 x MoE layers x (N-1)/N x rows x hidden\n"
+         "      elements), total and active parameters, the smallest node count that fits,\n"
+         "      and its assumptions. Defaults: full, rank 16, bf16, P 2, amx_bf16, T 4096,\n"
+         "      B 1. fp8 and int4 experts need --mode lora; int4 has a bf16 scale per G4\n"
+         "      inputs (default: the config's quantization_config, else 32).\n"
          "      Exit 0 fits, 3 does not fit, 2 bad input.\n"
          "  help      this text\n"
          "  version   print the version\n"
@@ -207,9 +220,10 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
     } else if (absl::StartsWith(a, "-") && a != "-") {
       const size_t dashes = a.find_first_not_of('-');
       const size_t eq = a.find('=');
-      std::string name = absl::StrReplaceAll(a.substr(dashes, eq == std::string::npos ? eq : eq - dashes),
-                                             {{"-", "_"}});
-      const std::string base = absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
+      std::string name = absl::StrReplaceAll(
+          a.substr(dashes, eq == std::string::npos ? eq : eq - dashes), {{"-", "_"}});
+      const std::string base =
+          absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
       if (!allowed.count(base) || absl::FindCommandLineFlag(base) == nullptr) {
         std::cerr << "moefit: unknown flag '" << a << "' for " << argv[1] << " (see moefit --help)"
                   << std::endl;
@@ -222,7 +236,8 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
   }
   std::vector<char*> rest;
   for (std::string& s : rest_storage) rest.push_back(s.data());
-  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   for (size_t i = 1; i < positional.size(); ++i) out->positional.emplace_back(positional[i]);
   return true;
 }
@@ -339,8 +354,28 @@ int PlanCommand(const Args& args) {
     in.expert_dtype = PlanDtype::kBf16;
   } else if (dtype == "fp8") {
     in.expert_dtype = PlanDtype::kFp8;
+  } else if (dtype == "int4") {
+    in.expert_dtype = PlanDtype::kInt4;
   } else {
-    std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16 or fp8"
+    std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16, fp8 or int4"
+              << std::endl;
+    return kExitBadInput;
+  }
+  if (const int64_t group = absl::GetFlag(FLAGS_int4_group_size); group != 0) {
+    in.int4_group_size = group;
+  }
+  in.packed_weight_gib = absl::GetFlag(FLAGS_packed_weight_gb);
+  const std::string isa = absl::GetFlag(FLAGS_cpu_isa);
+  if (isa == "avx2") {
+    in.cpu_isa = PlanIsa::kAvx2;
+  } else if (isa == "avx512") {
+    in.cpu_isa = PlanIsa::kAvx512;
+  } else if (isa == "avx512_bf16") {
+    in.cpu_isa = PlanIsa::kAvx512Bf16;
+  } else if (isa == "amx_bf16") {
+    in.cpu_isa = PlanIsa::kAmxBf16;
+  } else {
+    std::cerr << "moefit: --cpu-isa = '" << isa << "' must be avx2, avx512, avx512_bf16 or amx_bf16"
               << std::endl;
     return kExitBadInput;
   }
@@ -394,7 +429,7 @@ int Main(int argc, char** argv) {
       {"reshard", {"ep"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
-        "seq_len", "micro_batch", "json"}},
+        "int4_group_size", "packed_weight_gb", "cpu_isa", "seq_len", "micro_batch", "json"}},
   };
   auto it = flags.find(cmd);
   if (it == flags.end()) {
@@ -468,7 +503,8 @@ int Main(int argc, char** argv) {
   } else if (dtype == "float32") {
     options.dtype = at::kFloat;
   } else if (!dtype.empty()) {
-    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16" << std::endl;
+    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16"
+              << std::endl;
     return kExitBadInput;
   }
   if (options.max_shard_bytes <= 0) {

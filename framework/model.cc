@@ -25,6 +25,7 @@
 #include "parallel/progress.h"
 #include "proto/status_macros.h"
 #include "router/gating.h"
+#include "router/routing_stats.h"
 
 namespace moefit::framework {
 namespace {
@@ -561,6 +562,7 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   routing->prob_sum = stats.prob_sum;
   routing->expert_count = stats.expert_count.to(at::kCPU);
   routing->correction_bias = l.correction_bias;
+  if (runtime_.routing_telemetry) routing->entropy_sum = router::RouterEntropySum(r.probs).cpu();
 
   // c. Activations to the host, in the experts' dtype (converted first: fewer bytes cross).
   at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_compute_dtype()), at::kCPU);

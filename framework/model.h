@@ -90,6 +90,9 @@ struct ModelRuntime {
   // Token chunks each MoE layer's dispatch, expert compute and combine are
   // pipelined over (Dispatcher::Run); 1 = no pipelining.
   int64_t dispatch_chunks = 1;
+  // The routers also report the entropy of their choices
+  // (MoeLayerRouting::entropy_sum), for routing telemetry.
+  bool routing_telemetry = false;
 
   // The dtype the experts' inputs and outputs travel and compute in.
   at::ScalarType expert_compute_dtype() const {
@@ -134,6 +137,10 @@ struct MoeLayerRouting {
   // The layer's e_score_correction_bias buffer itself (undefined without one):
   // the trainer moves it in place after each step.
   at::Tensor correction_bias;
+  // With ModelRuntime::routing_telemetry: the sum over this rank's tokens of
+  // the entropy of their routing distributions (router::RouterEntropySum), a
+  // float64 scalar on the CPU; undefined otherwise.
+  at::Tensor entropy_sum;
 };
 
 struct ForwardResult {
@@ -211,6 +218,8 @@ class MoeModel {
   std::vector<MasterCopy> expert_master_copies() const;
   // Training mode turns on the adapters' dropout (off by default: inference).
   void SetTraining(bool training);
+  // ModelRuntime::routing_telemetry: the routers report their entropy too.
+  void SetRoutingTelemetry(bool on) { runtime_.routing_telemetry = on; }
   // The resolved LoRA targets (empty without LoRA).
   const LoraTargets& lora_targets() const { return lora_targets_; }
   // State that is saved and loaded with the weights but not trained by the

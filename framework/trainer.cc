@@ -17,6 +17,8 @@
 #include "framework/adamw.h"
 #include "framework/dense_autocast.h"
 #include "framework/internal/host_transfer.h"
+#include "framework/internal/process_memory.h"
+#include "framework/routing_telemetry.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
@@ -82,18 +84,20 @@ struct Trainer::Impl {
   // after backward (options.overlap_grad_sync off, or one data-parallel rank).
   std::unique_ptr<parallel::OverlappedGradSync> dense_sync;
   int64_t first_step = 0;
+  RoutingTelemetry routing;
 
-  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
-       const parallel::ProcessGroups* g)
+  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o, const parallel::ProcessGroups* g)
       : model(m),
         data(d),
         options(o),
         groups(g != nullptr ? *g : LocalGroups(m)),
-        sampler(d.num_sequences(), o.seed) {
+        sampler(d.num_sequences(), o.seed),
+        routing({.enabled = o.routing_telemetry, .half_life_steps = o.routing_half_life_steps}) {
     // Dropout (LoRA's) draws from the default generator: the same seed, the
     // same masks, run after run; each rank its own stream.
     at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
+    model.SetRoutingTelemetry(o.routing_telemetry);
     const c10::Device dense_device = model.runtime().dense_device;
     TORCH_CHECK(dense_device.is_cuda() || !o.allow_tf32, "TF32 needs the dense layers on a GPU");
     if (o.allow_tf32) at::globalContext().setAllowTF32CuBLAS(true);
@@ -151,8 +155,8 @@ struct Trainer::Impl {
     }
     parallel::AllReduceSum(*groups.expert_data_parallel, Grads(expert_params));
     at::Tensor expert_sq = at::full({1}, SquaredNorm(expert_params), at::kDouble);
-    const double sq = SquaredNorm(dense_params) +
-                      SumOver(*groups.expert_parallel, expert_sq).item<double>();
+    const double sq =
+        SquaredNorm(dense_params) + SumOver(*groups.expert_parallel, expert_sq).item<double>();
     const double norm = std::sqrt(sq);
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);
@@ -205,8 +209,8 @@ StepStats Trainer::Step(int64_t step) {
     micro.push_back(s.data.Gather({first, first + mb}));
     trained_here += CountTrainedTokens(micro.back().labels);
   }
-  const int64_t trained = std::max<int64_t>(
-      1, SumOver(dp, at::full({1}, trained_here, at::kLong)).item<int64_t>());
+  const int64_t trained =
+      std::max<int64_t>(1, SumOver(dp, at::full({1}, trained_here, at::kLong)).item<int64_t>());
 
   StepStats stats;
   stats.step = step + 1;
@@ -218,9 +222,7 @@ StepStats Trainer::Step(int64_t step) {
   s.optimizer->ZeroGrad();
   stats.optimizer_seconds = since(zero_start);
   double loss_here = 0, aux_here = 0;
-  at::Tensor load;  // [moe layers, E] assignments over the global batch
-  std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
-  std::vector<at::Tensor> correction_biases;  // of each row of `load` (undefined: none)
+  s.routing.BeginStep();
   for (const Batch& batch : micro) {
     std::optional<DenseAutocast> autocast;
     autocast.emplace(s.model.runtime().dense_device, o.dense_autocast);
@@ -229,9 +231,9 @@ StepStats Trainer::Step(int64_t step) {
     autocast.reset();  // the loss terms below and backward run as recorded
     at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {
-      std::vector<at::Tensor> counts;
-      for (const MoeLayerRouting& r : out.moe_layers) counts.push_back(r.expert_count);
-      at::Tensor layer_counts = SumOver(dp, at::stack(counts).to(at::kDouble));
+      // One all-reduce: the counts, and the routing telemetry's sums beside them.
+      at::Tensor routed = SumOver(dp, PackRoutingSums(out.moe_layers, s.routing.columns(mo)));
+      at::Tensor layer_counts = routed.narrow(1, 0, mo.num_experts);
       if (mo.scoring == RouterScoring::kSoftmax) {
         // HF's balance loss over all MoE layers' decisions on this micro-batch
         // of the global batch: counts and token totals are summed over ranks,
@@ -254,13 +256,7 @@ StepStats Trainer::Step(int64_t step) {
         aux_here += aux.item<double>();
         loss = loss + aux * (mo.aux_loss_alpha / static_cast<double>(o.grad_accum_steps));
       }
-      load = load.defined() ? load + layer_counts : layer_counts;
-      if (moe_layer_idx.empty()) {
-        for (const MoeLayerRouting& r : out.moe_layers) {
-          moe_layer_idx.push_back(r.layer_idx);
-          correction_biases.push_back(r.correction_bias);
-        }
-      }
+      s.routing.AddMicroBatch(routed, out.moe_layers, mo, per_micro);
     }
     loss_here += ce.sum.item<double>();
     // The last backward completes the gradients: its buckets go out as they fill.
@@ -280,23 +276,23 @@ StepStats Trainer::Step(int64_t step) {
   // holds alike, so the biases stay equal on all ranks.
   if (o.bias_update_rate > 0) {
     torch::NoGradGuard no_grad;
+    const std::vector<at::Tensor>& correction_biases = s.routing.correction_biases();
+    const at::Tensor load = s.routing.step_counts();
     for (size_t row = 0; row < correction_biases.size(); ++row) {
-      at::Tensor& bias = correction_biases[row];
+      at::Tensor bias = correction_biases[row];
       if (!bias.defined()) continue;
-      at::Tensor c = load[row].to(at::kFloat);
+      at::Tensor c = load[static_cast<int64_t>(row)].to(at::kFloat);
       bias.add_(at::sign(c.mean() - c).to(bias.device()), o.bias_update_rate);
     }
   }
 
-  for (size_t row = 0; row < moe_layer_idx.size(); ++row) {
-    at::Tensor c = load[row].to(at::kLong);
-    LayerLoad ll;
-    ll.layer_idx = moe_layer_idx[row];
-    ll.tokens_per_expert.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-    const double mean = c.to(at::kDouble).mean().item<double>();
-    ll.max_over_mean = mean > 0 ? c.max().item<int64_t>() / mean : 0.0;
-    stats.moe_layers.push_back(std::move(ll));
-  }
+  s.routing.EndStep(&stats);
+  const internal::ProcessMemory memory =
+      internal::ReadProcessMemory(s.model.runtime().dense_device);
+  stats.host_rss_bytes = memory.host_rss_bytes;
+  stats.host_peak_bytes = memory.host_peak_bytes;
+  stats.gpu_allocated_bytes = memory.gpu_allocated_bytes;
+  stats.gpu_peak_bytes = memory.gpu_peak_bytes;
   stats.seconds = since(start);
   stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
   stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
@@ -359,11 +355,27 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_comm_s(st.comm_seconds);
       m.set_optimizer_s(st.optimizer_seconds);
       m.set_pcie_bytes(st.pcie_bytes);
+      m.set_host_rss_bytes(st.host_rss_bytes);
+      m.set_host_peak_bytes(st.host_peak_bytes);
+      m.set_gpu_allocated_bytes(st.gpu_allocated_bytes);
+      m.set_gpu_peak_bytes(st.gpu_peak_bytes);
+      if (o.routing_telemetry) m.set_routing_half_life_steps(o.routing_half_life_steps);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);
         for (int64_t c : ll.tokens_per_expert) pl->add_tokens_per_expert(c);
         pl->set_max_over_mean(ll.max_over_mean);
+        pl->set_cv(ll.cv);
+        for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
+        pl->set_router_entropy(ll.router_entropy);
+        if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
+        if (ll.correction_bias) {
+          proto::Spread* b = pl->mutable_correction_bias();
+          b->set_min(ll.correction_bias->min);
+          b->set_max(ll.correction_bias->max);
+          b->set_mean(ll.correction_bias->mean);
+          b->set_std(ll.correction_bias->std);
+        }
       }
       std::string line;
       google::protobuf::util::JsonPrintOptions jo;

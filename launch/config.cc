@@ -1119,6 +1119,15 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   }
   run.train.metrics_file = c.logging().metrics_file();
   run.train.log_every = c.logging().log_every();
+  const proto::LoggingConfig& lg = c.logging();
+  run.train.routing_telemetry = !lg.has_routing_telemetry() || lg.routing_telemetry();
+  if (lg.has_routing_half_life_steps()) {
+    if (!(lg.routing_half_life_steps() > 0)) {
+      return Invalid(absl::StrCat(
+          "logging.routing_half_life_steps = ", lg.routing_half_life_steps(), " must be positive"));
+    }
+    run.train.routing_half_life_steps = lg.routing_half_life_steps();
+  }
 
   const proto::ExpertsConfig& e = c.experts();
   const std::vector<std::string> backends = experts::ExpertBackendNames();

@@ -19,6 +19,8 @@
 #include "framework/internal/host_transfer.h"
 #include "framework/internal/process_memory.h"
 #include "framework/routing_telemetry.h"
+#include "framework/step_summaries.h"
+#include "framework/tensorboard_writer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
@@ -324,6 +326,13 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
           absl::StrCat("logging.metrics_file: cannot open '", o.metrics_file, "' for writing"));
     }
   }
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  if (rank0 && !o.tensorboard_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> w =
+        TensorBoardWriter::Open(o.tensorboard_dir, impl_->first_step + 1);
+    if (!w.ok()) return w.status();
+    tensorboard = *std::move(w);
+  }
   std::vector<StepStats> all;
   double elapsed = 0;
   const int64_t first = impl_->first_step;
@@ -386,6 +395,10 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       }
       metrics << line << '\n';
       metrics.flush();
+    }
+    if (tensorboard != nullptr) {
+      absl::Status s = tensorboard->Write(st.step, StepSummary(st, tok_s));
+      if (!s.ok()) return s;
     }
     if (after_step) after_step(st);
     all.push_back(std::move(st));

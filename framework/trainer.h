@@ -93,6 +93,10 @@ struct TrainOptions {
   // max/mean only.
   bool routing_telemetry = true;
   double routing_half_life_steps = 50;
+  // TensorBoard event files (framework/tensorboard_writer.h, tags in
+  // framework/step_summaries.h) written by rank 0 into this directory; empty =
+  // none.
+  std::string tensorboard_dir;
 };
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to lr over

@@ -1128,6 +1128,7 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     }
     run.train.routing_half_life_steps = lg.routing_half_life_steps();
   }
+  run.train.tensorboard_dir = lg.tensorboard_dir();
 
   const proto::ExpertsConfig& e = c.experts();
   const std::vector<std::string> backends = experts::ExpertBackendNames();

@@ -58,4 +58,14 @@ tensorboard::Summary StepSummary(const StepStats& st, double tokens_per_s) {
   return s;
 }
 
+ExpertMap StepExpertMap(const StepStats& st) {
+  ExpertMap map;
+  for (const LayerLoad& ll : st.moe_layers) {
+    map.layer_idx.push_back(ll.layer_idx);
+    map.num_experts = static_cast<int64_t>(ll.tokens_per_expert.size());
+    for (double d : ll.decayed_load) map.load.push_back(static_cast<float>(d));
+  }
+  return map;
+}
+
 }  // namespace moefit::framework

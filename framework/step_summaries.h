@@ -1,5 +1,6 @@
 // What a training step shows in TensorBoard: StepStats as one
-// tensorboard::Summary (framework/tensorboard_writer.h).
+// tensorboard::Summary (framework/tensorboard_writer.h), and as an expert map
+// (framework/expert_map.h).
 //
 // Tags, grouped by their first component (TensorBoard's sections):
 //   train/loss, train/aux_loss, train/lr, train/grad_norm, train/tokens_per_s
@@ -18,11 +19,17 @@
 // TrainOptions::routing_telemetry.
 #pragma once
 
+#include "framework/expert_map.h"
 #include "framework/trainer.h"
 #include "proto/tensorboard_event.pb.h"
 
 namespace moefit::framework {
 
 tensorboard::Summary StepSummary(const StepStats& stats, double tokens_per_s);
+
+// The expert map of a step: its MoE layers' decayed counters, as the metrics
+// file stores them (float32), so that `moefit expert-map` draws the same
+// pixels from that file. Empty loads without routing telemetry.
+ExpertMap StepExpertMap(const StepStats& stats);
 
 }  // namespace moefit::framework

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 
@@ -18,6 +19,7 @@
 #include "framework/dense_autocast.h"
 #include "framework/internal/host_transfer.h"
 #include "framework/internal/process_memory.h"
+#include "framework/output_dir.h"
 #include "framework/routing_telemetry.h"
 #include "framework/step_summaries.h"
 #include "framework/tensorboard_writer.h"
@@ -333,6 +335,26 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
     if (!w.ok()) return w.status();
     tensorboard = *std::move(w);
   }
+  // The expert map of a step: into its PNG file (and `final` into
+  // expert-map.png) and, given a summary, into TensorBoard.
+  int64_t last_map_step = 0;
+  auto draw_map = [&](const StepStats& st, bool final,
+                      tensorboard::Summary* summary) -> absl::Status {
+    absl::StatusOr<RgbImage> image = DrawExpertMap(StepExpertMap(st));
+    if (!image.ok()) return image.status();
+    absl::StatusOr<std::string> png = EncodePng(*image);
+    if (!png.ok()) return png.status();
+    if (!o.expert_map_dir.empty()) {
+      const std::filesystem::path dir(o.expert_map_dir);
+      absl::Status s =
+          WriteTextFile(dir / absl::StrFormat("expert-map-step-%08d.png", st.step), *png);
+      if (s.ok() && final) s = WriteTextFile(dir / "expert-map.png", *png);
+      if (!s.ok()) return s;
+    }
+    if (summary != nullptr) AddPngImage(summary, "expert_map", *png, image->width, image->height);
+    last_map_step = st.step;
+    return absl::OkStatus();
+  };
   std::vector<StepStats> all;
   double elapsed = 0;
   const int64_t first = impl_->first_step;
@@ -396,9 +418,18 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       metrics << line << '\n';
       metrics.flush();
     }
-    if (tensorboard != nullptr) {
-      absl::Status s = tensorboard->Write(st.step, StepSummary(st, tok_s));
-      if (!s.ok()) return s;
+    if (rank0 && (tensorboard != nullptr || o.expert_map_every_steps > 0)) {
+      tensorboard::Summary summary;
+      if (tensorboard != nullptr) summary = StepSummary(st, tok_s);
+      if (o.expert_map_every_steps > 0 && st.step % o.expert_map_every_steps == 0) {
+        absl::Status s =
+            draw_map(st, st.step == o.steps, tensorboard != nullptr ? &summary : nullptr);
+        if (!s.ok()) return s;
+      }
+      if (tensorboard != nullptr) {
+        absl::Status s = tensorboard->Write(st.step, summary);
+        if (!s.ok()) return s;
+      }
     }
     if (after_step) after_step(st);
     all.push_back(std::move(st));
@@ -407,6 +438,15 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       if (!stop.ok()) return stop.status();
       if (*stop) break;
     }
+  }
+  // The map of the last step, as expert-map.png, unless it was drawn as such.
+  if (rank0 && o.expert_map_every_steps > 0 && !all.empty() &&
+      !(last_map_step == all.back().step && all.back().step == o.steps)) {
+    tensorboard::Summary summary;
+    const bool new_image = last_map_step != all.back().step && tensorboard != nullptr;
+    absl::Status s = draw_map(all.back(), /*final=*/true, new_image ? &summary : nullptr);
+    if (s.ok() && new_image) s = tensorboard->Write(all.back().step, summary);
+    if (!s.ok()) return s;
   }
   return all;
 }

@@ -97,6 +97,13 @@ struct TrainOptions {
   // framework/step_summaries.h) written by rank 0 into this directory; empty =
   // none.
   std::string tensorboard_dir;
+  // The expert map (framework/expert_map.h) every this many steps and after
+  // the last step, drawn from the decayed counters (routing_telemetry); 0 =
+  // none. PNG files go to expert_map_dir (expert-map-step-NNNNNNNN.png, and
+  // expert-map.png at the end; empty = no files) and, with tensorboard_dir,
+  // into TensorBoard as the image "expert_map".
+  int64_t expert_map_every_steps = 0;
+  std::string expert_map_dir;
 };
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to lr over

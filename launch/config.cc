@@ -1129,6 +1129,27 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     run.train.routing_half_life_steps = lg.routing_half_life_steps();
   }
   run.train.tensorboard_dir = lg.tensorboard_dir();
+  if (lg.expert_map_every_steps() < 0) {
+    return Invalid(absl::StrCat("logging.expert_map_every_steps = ", lg.expert_map_every_steps(),
+                                " must be >= 0"));
+  }
+  if (lg.expert_map_every_steps() > 0) {
+    if (!run.train.routing_telemetry) {
+      return Invalid(
+          "logging.expert_map_every_steps draws the decayed counters of "
+          "logging.routing_telemetry, which is off");
+    }
+    if (run.train.metrics_file.empty() && run.train.tensorboard_dir.empty()) {
+      return Invalid(
+          "logging.expert_map_every_steps writes the map beside logging.metrics_file or into "
+          "logging.tensorboard_dir, and neither is set");
+    }
+    run.train.expert_map_every_steps = lg.expert_map_every_steps();
+    if (!run.train.metrics_file.empty()) {
+      const std::filesystem::path dir = std::filesystem::path(run.train.metrics_file).parent_path();
+      run.train.expert_map_dir = dir.empty() ? "." : dir.string();
+    }
+  }
 
   const proto::ExpertsConfig& e = c.experts();
   const std::vector<std::string> backends = experts::ExpertBackendNames();

@@ -30,6 +30,7 @@
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
 #include "launch/eval_command.h"
+#include "launch/expert_map_command.h"
 #include "launch/export_command.h"
 #include "launch/inspect_command.h"
 #include "launch/merge_command.h"
@@ -50,7 +51,8 @@ ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
 ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to evaluate");
 ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
-ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
+ABSL_FLAG(std::string, input_ids, "",
+          "eval: safetensors file holding \"input_ids\" [batch, tokens]");
 ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export, merge: largest shard in bytes");
 ABSL_FLAG(std::string, save_dtype, "",
           "export, merge: dtype of the written weights (float32, bfloat16)");
@@ -67,6 +69,8 @@ ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
 ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
 ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
 ABSL_FLAG(int32_t, ep, 0, "reshard: expert-parallel ranks of the output");
+ABSL_FLAG(int64_t, step, 0, "expert-map: the step to draw (0 = the last in the metrics file)");
+ABSL_FLAG(std::string, out, "", "expert-map: the PNG file to write (default: beside the metrics)");
 
 namespace moefit::launch {
 namespace {
@@ -131,6 +135,13 @@ std::string Usage() {
          "      parameters, the smallest node count that fits, and its assumptions.\n"
          "      Defaults: full, rank 16, bf16, T 4096, B 1. fp8 experts need --mode lora.\n"
          "      Exit 0 fits, 3 does not fit, 2 bad input.\n"
+         "  expert-map RUN_DIR [--step N] [--out FILE.png]\n"
+         "      Draw the expert map of a run again from its metrics file (RUN_DIR: the file,\n"
+         "      or the directory holding it): MoE layers x experts, each expert coloured by\n"
+         "      its decayed load relative to its layer's mean (blue below, white at, red\n"
+         "      above, up to 8x), the hot experts (2x the mean) outlined, as training draws\n"
+         "      it with logging.expert_map_every_steps. Default: the last step, written to\n"
+         "      expert-map.png beside the metrics file.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -207,9 +218,10 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
     } else if (absl::StartsWith(a, "-") && a != "-") {
       const size_t dashes = a.find_first_not_of('-');
       const size_t eq = a.find('=');
-      std::string name = absl::StrReplaceAll(a.substr(dashes, eq == std::string::npos ? eq : eq - dashes),
-                                             {{"-", "_"}});
-      const std::string base = absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
+      std::string name = absl::StrReplaceAll(
+          a.substr(dashes, eq == std::string::npos ? eq : eq - dashes), {{"-", "_"}});
+      const std::string base =
+          absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
       if (!allowed.count(base) || absl::FindCommandLineFlag(base) == nullptr) {
         std::cerr << "moefit: unknown flag '" << a << "' for " << argv[1] << " (see moefit --help)"
                   << std::endl;
@@ -222,7 +234,8 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
   }
   std::vector<char*> rest;
   for (std::string& s : rest_storage) rest.push_back(s.data());
-  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   for (size_t i = 1; i < positional.size(); ++i) out->positional.emplace_back(positional[i]);
   return true;
 }
@@ -392,6 +405,7 @@ int Main(int argc, char** argv) {
       {"export", {"max_shard_bytes", "save_dtype"}},
       {"merge", {"max_shard_bytes", "save_dtype"}},
       {"reshard", {"ep"}},
+      {"expert-map", {"step", "out"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
         "seq_len", "micro_batch", "json"}},
@@ -442,6 +456,17 @@ int Main(int argc, char** argv) {
     return s.ok() ? kExitOk : Fail(s);
   }
   if (cmd == "plan") return PlanCommand(args);
+  if (cmd == "expert-map") {
+    if (args.positional.size() != 1 || absl::GetFlag(FLAGS_step) < 0) {
+      std::cerr << "moefit: usage: moefit expert-map RUN_DIR [--step N] [--out FILE.png]"
+                << std::endl;
+      return kExitBadInput;
+    }
+    absl::Status s = RunExpertMapCommand(
+        args.positional[0], {.step = absl::GetFlag(FLAGS_step), .out = absl::GetFlag(FLAGS_out)},
+        std::cout);
+    return s.ok() ? kExitOk : Fail(s);
+  }
   if (cmd == "reshard") {
     if (args.positional.size() != 2 || absl::GetFlag(FLAGS_ep) < 1) {
       std::cerr << "moefit: usage: moefit reshard IN_DIR OUT_DIR --ep M (M >= 1)" << std::endl;
@@ -468,7 +493,8 @@ int Main(int argc, char** argv) {
   } else if (dtype == "float32") {
     options.dtype = at::kFloat;
   } else if (!dtype.empty()) {
-    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16" << std::endl;
+    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16"
+              << std::endl;
     return kExitBadInput;
   }
   if (options.max_shard_bytes <= 0) {

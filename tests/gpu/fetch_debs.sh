@@ -21,7 +21,7 @@ pkgs=(
   libabsl-dev libabsl20220623
   libprotobuf-dev libprotobuf32 libprotobuf-lite32 protobuf-compiler libprotoc32
   libgtest-dev libgmock-dev googletest nlohmann-json3-dev zlib1g-dev zlib1g
-  libboost-dev libboost1.74-dev
+  libboost-dev libboost1.74-dev libpng-dev libpng16-16
 )
 apt-get download "${pkgs[@]}"
 echo "fetch_debs: $(ls "$dir"/*.deb | wc -l) packages, $(du -sh "$dir" | cut -f1) in $dir"

@@ -129,3 +129,29 @@ def test_every_scalar_and_histogram_reads_back(build_dir, tmp_path, family):
             check_histogram(decayed.histogram_value, l["decayed_load"], rel=1e-6)
     assert len(tags["histograms"]) == 2 * len(lines[0]["moe_layers"])
 
+
+def test_expert_map_images_files_and_redraw(build_dir, tmp_path):
+    """The expert map every 2 steps and after the last (step 5): PNG files beside the metrics
+    file, the same bytes as TensorBoard's "expert_map" images, readable by Pillow at the
+    stated size; `moefit expert-map` draws each again from the metrics file, byte for byte."""
+    from PIL import Image
+    lines, acc = train(build_dir, tmp_path, ["model.num_hidden_layers=3",
+                                             "logging.expert_map_every_steps=2"])
+    images = acc.Images("expert_map")
+    assert [i.step for i in images] == [2, 4, 5]
+    for i in images:
+        f = tmp_path / f"expert-map-step-{i.step:08d}.png"
+        assert f.read_bytes() == i.encoded_image_string
+        with Image.open(f) as im:
+            assert im.format == "PNG" and im.mode == "RGB"
+            assert im.size == (i.width, i.height)
+            # 3 MoE layers x 8 experts, cells of 24 x 24 px at this size.
+            assert im.size == (8 * 24, 3 * 24)
+    assert (tmp_path / "expert-map.png").read_bytes() == images[-1].encoded_image_string
+    moefit = str(build_dir / "launch" / "moefit")
+    for step, want in [(0, images[-1]), (4, images[1]), (2, images[0])]:
+        out = tmp_path / f"redraw-{step}.png"
+        r = subprocess.run([moefit, "expert-map", str(tmp_path), "--step", str(step), "--out",
+                            str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert out.read_bytes() == want.encoded_image_string, step

@@ -594,11 +594,11 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
     chunk_ffn.row_copies = rows.row_copies;
     return experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, chunk_ffn);
   };
-  at::Tensor out =
-      dispatcher_
-          ->Run(x_host, r.topk_idx.to(at::kCPU), r.topk_weight.to(at::kCPU, at::kFloat),
-                runtime_.dispatch_chunks, compute)
-          .to(x.scalar_type());
+  routing->topk_idx = r.topk_idx.to(at::kCPU);
+  at::Tensor out = dispatcher_
+                       ->Run(x_host, routing->topk_idx, r.topk_weight.to(at::kCPU, at::kFloat),
+                             runtime_.dispatch_chunks, compute)
+                       .to(x.scalar_type());
   out = internal::MoveActivations(out, x.device());  // back to the dense device
   return shared.defined() ? out + shared : out;
 }

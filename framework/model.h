@@ -141,6 +141,9 @@ struct MoeLayerRouting {
   // the entropy of their routing distributions (router::RouterEntropySum), a
   // float64 scalar on the CPU; undefined otherwise.
   at::Tensor entropy_sum;
+  // [tokens, k] int64 on the CPU: each of this rank's tokens' chosen experts
+  // (global ids), in the order of the layer's input rows.
+  at::Tensor topk_idx;
 };
 
 struct ForwardResult {

@@ -28,6 +28,7 @@ tensorboard::Summary StepSummary(const StepStats& st, double tokens_per_s) {
     AddScalar(&s, "memory/gpu_allocated_gib", st.gpu_allocated_bytes / kGiB);
     AddScalar(&s, "memory/gpu_peak_gib", st.gpu_peak_bytes / kGiB);
   }
+  if (st.gpu_cache) AddScalar(&s, "gpu_cache/share", st.gpu_cache_share);
   if (st.moe_layers.empty()) return s;
   const bool telemetry = !st.moe_layers.front().decayed_load.empty();
   double worst = 0, cv_sum = 0, entropy_sum = 0;
@@ -64,6 +65,13 @@ ExpertMap StepExpertMap(const StepStats& st) {
     map.layer_idx.push_back(ll.layer_idx);
     map.num_experts = static_cast<int64_t>(ll.tokens_per_expert.size());
     for (double d : ll.decayed_load) map.load.push_back(static_cast<float>(d));
+  }
+  if (st.gpu_cache) {
+    // The outlined experts are the ones the GPUs computed.
+    map.hot.assign(map.load.size(), 0);
+    for (size_t l = 0; l < st.moe_layers.size(); ++l) {
+      for (int64_t x : st.moe_layers[l].gpu_experts) map.hot[l * map.num_experts + x] = 1;
+    }
   }
   return map;
 }

@@ -15,6 +15,8 @@
 //     min; routers with correction biases)
 //   histograms: expert_load/layer_NN (the step's tokens per expert, one value
 //     per expert) and expert_load_decayed/layer_NN (the decayed counters)
+//   gpu_cache/share with the hot-expert cache: the share of expert rows
+//     computed on the GPUs
 // The routing figures beyond load_max_over_mean and expert_load need
 // TrainOptions::routing_telemetry.
 #pragma once
@@ -29,7 +31,8 @@ tensorboard::Summary StepSummary(const StepStats& stats, double tokens_per_s);
 
 // The expert map of a step: its MoE layers' decayed counters, as the metrics
 // file stores them (float32), so that `moefit expert-map` draws the same
-// pixels from that file. Empty loads without routing telemetry.
+// pixels from that file, the experts computed on GPUs outlined when the
+// hot-expert cache is on. Empty loads without routing telemetry.
 ExpertMap StepExpertMap(const StepStats& stats);
 
 }  // namespace moefit::framework

@@ -28,6 +28,7 @@
 #include "parallel/progress.h"
 #include "proto/metrics.pb.h"
 #include "router/gating.h"
+#include "router/hot_expert_cache.h"
 
 namespace moefit::framework {
 
@@ -89,6 +90,9 @@ struct Trainer::Impl {
   std::unique_ptr<parallel::OverlappedGradSync> dense_sync;
   int64_t first_step = 0;
   RoutingTelemetry routing;
+  // The hot-expert cache's choice of this process's experts (created at the
+  // first step: one candidate per MoE layer and local expert).
+  std::unique_ptr<router::HotExpertCachePolicy> cache_policy;
 
   Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o, const parallel::ProcessGroups* g)
       : model(m),
@@ -102,6 +106,9 @@ struct Trainer::Impl {
     at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
     model.SetRoutingTelemetry(o.routing_telemetry);
+    TORCH_CHECK(o.gpu_cache_experts == 0 ||
+                    (model.runtime().expert_cache_device.has_value() && o.routing_telemetry),
+                "the hot-expert cache needs a cache device in the model and routing telemetry");
     const c10::Device dense_device = model.runtime().dense_device;
     TORCH_CHECK(dense_device.is_cuda() || !o.allow_tf32, "TF32 needs the dense layers on a GPU");
     if (o.allow_tf32) at::globalContext().setAllowTF32CuBLAS(true);
@@ -128,6 +135,52 @@ struct Trainer::Impl {
                                                {.bucket_bytes = o.grad_bucket_bytes});
       TORCH_CHECK(sync.ok(), sync.status().ToString());
       dense_sync = *std::move(sync);
+    }
+  }
+
+  // The step's hot-expert cache figures (which experts each process computed
+  // on its GPU, the share of rows there: one all-reduce), then the next
+  // cached set from the decayed counters, which every rank holds alike.
+  void UpdateCache(int64_t steps_done, StepStats* stats) {
+    const router::ExpertPlacement& placement = model.placement();
+    const int ep_rank = groups.expert_parallel->rank();
+    const int64_t first = placement.first_expert(ep_rank), local = placement.num_local(ep_rank);
+    const int64_t layers = static_cast<int64_t>(stats->moe_layers.size());
+    const int64_t e = model.options().num_experts;
+    const MoeModel::ExpertRows rows = model.TakeExpertRows();
+    at::Tensor summary = at::zeros({layers * e + 2}, at::kDouble);
+    double* p = summary.data_ptr<double>();
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t j : model.cached_experts(stats->moe_layers[l].layer_idx))
+        p[l * e + first + j] = 1;
+    }
+    p[layers * e] = static_cast<double>(rows.cached);
+    p[layers * e + 1] = static_cast<double>(rows.total);
+    SumOver(*groups.world, summary);
+    stats->gpu_cache = true;
+    stats->gpu_cache_share = p[layers * e + 1] > 0 ? p[layers * e] / p[layers * e + 1] : 0.0;
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t x = 0; x < e; ++x) {
+        if (p[l * e + x] > 0) stats->moe_layers[l].gpu_experts.push_back(x);
+      }
+    }
+    if (cache_policy == nullptr) {
+      cache_policy = std::make_unique<router::HotExpertCachePolicy>(
+          layers * local,
+          router::HotExpertCacheOptions{.capacity = options.gpu_cache_experts,
+                                        .every_steps = options.gpu_cache_every_steps,
+                                        .half_life_steps = options.routing_half_life_steps});
+    }
+    std::vector<double> load(static_cast<size_t>(layers * local));
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t j = 0; j < local; ++j)
+        load[l * local + j] = stats->moe_layers[l].decayed_load[first + j];
+    }
+    if (cache_policy->Update(steps_done, load).empty()) return;
+    std::vector<std::vector<int64_t>> per_layer(static_cast<size_t>(layers));
+    for (int64_t i : cache_policy->cached()) per_layer[i / local].push_back(i % local);
+    for (int64_t l = 0; l < layers; ++l) {
+      model.SetCachedExperts(stats->moe_layers[l].layer_idx, per_layer[l]);
     }
   }
 
@@ -291,6 +344,7 @@ StepStats Trainer::Step(int64_t step) {
   }
 
   s.routing.EndStep(&stats);
+  if (o.gpu_cache_experts > 0 && !stats.moe_layers.empty()) s.UpdateCache(step + 1, &stats);
   const internal::ProcessMemory memory =
       internal::ReadProcessMemory(s.model.runtime().dense_device);
   stats.host_rss_bytes = memory.host_rss_bytes;
@@ -391,6 +445,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_gpu_allocated_bytes(st.gpu_allocated_bytes);
       m.set_gpu_peak_bytes(st.gpu_peak_bytes);
       if (o.routing_telemetry) m.set_routing_half_life_steps(o.routing_half_life_steps);
+      if (st.gpu_cache) m.set_gpu_cache_share(st.gpu_cache_share);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);
@@ -399,6 +454,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
         pl->set_cv(ll.cv);
         for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
         pl->set_router_entropy(ll.router_entropy);
+        for (int64_t x : ll.gpu_experts) pl->add_gpu_experts(static_cast<int32_t>(x));
         if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
         if (ll.correction_bias) {
           proto::Spread* b = pl->mutable_correction_bias();

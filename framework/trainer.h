@@ -104,6 +104,13 @@ struct TrainOptions {
   // into TensorBoard as the image "expert_map".
   int64_t expert_map_every_steps = 0;
   std::string expert_map_dir;
+  // Hot experts on the GPU (the model's ModelRuntime::expert_cache_device):
+  // each process computes up to this many of its experts there, the hottest
+  // by the decayed counters, chosen with hysteresis by
+  // router::HotExpertCachePolicy and reconsidered every
+  // gpu_cache_every_steps steps. 0 = none.
+  int64_t gpu_cache_experts = 0;
+  int64_t gpu_cache_every_steps = 1;
 };
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to lr over
@@ -129,6 +136,9 @@ struct LayerLoad {
   // Spread of the layer's e_score_correction_bias after the step's update
   // (routers that have one).
   std::optional<router::Spread> correction_bias;
+  // With the hot-expert cache: the experts (global ids) computed on a
+  // process's GPU during this step, by any process.
+  std::vector<int64_t> gpu_experts;
 };
 
 struct StepStats {
@@ -156,6 +166,11 @@ struct StepStats {
   int64_t host_peak_bytes = 0;
   int64_t gpu_allocated_bytes = 0;
   int64_t gpu_peak_bytes = 0;
+  // With the hot-expert cache (gpu_cache): of the rows (token, expert) all
+  // processes' experts computed in the step, the share computed on their
+  // GPUs.
+  bool gpu_cache = false;
+  double gpu_cache_share = 0;
   std::vector<LayerLoad> moe_layers;
 };
 

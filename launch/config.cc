@@ -1190,6 +1190,23 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 " must be between 0 and 1048576 (GiB; 0: pack on every call)"));
   }
   run.runtime.expert_packed_bytes = static_cast<int64_t>(e.packed_weight_gb() * (int64_t{1} << 30));
+  if (e.gpu_cache_experts() < 0) {
+    return Invalid(
+        absl::StrCat("experts.gpu_cache_experts = ", e.gpu_cache_experts(), " must be >= 0"));
+  }
+  if (e.gpu_cache_experts() > 0) {
+    if (!run.train.routing_telemetry) {
+      return Invalid(
+          "experts.gpu_cache_experts chooses experts by the decayed counters of "
+          "logging.routing_telemetry, which is off");
+    }
+    const int64_t every = e.has_gpu_cache_every_steps() ? e.gpu_cache_every_steps() : 1;
+    if (every < 1) {
+      return Invalid(absl::StrCat("experts.gpu_cache_every_steps = ", every, " must be >= 1"));
+    }
+    run.train.gpu_cache_experts = e.gpu_cache_experts();
+    run.train.gpu_cache_every_steps = every;
+  }
 
   const std::string& dev = c.parallel().device();
   if (dev == "auto") {
@@ -1204,6 +1221,13 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     run.runtime.dense_device = c10::Device(c10::kCUDA);
   } else {
     return Invalid(absl::StrCat("parallel.device = '", dev, "' must be auto, cpu or cuda"));
+  }
+  if (run.train.gpu_cache_experts > 0 && !run.runtime.dense_device.is_cuda()) {
+    return Invalid(absl::StrCat("experts.gpu_cache_experts = ", run.train.gpu_cache_experts,
+                                " computes hot experts on the process's GPU, and this run has none "
+                                "(parallel.device = '",
+                                dev, "'", dev == "auto" ? ", and LibTorch sees no CUDA device" : "",
+                                ")"));
   }
 
   if (c.parallel().ep_size() < 0) {

@@ -98,6 +98,15 @@ absl::Status RunExpertMapCommand(const std::string& run_dir, const ExpertMapComm
     map.layer_idx.push_back(l.layer());
     map.load.insert(map.load.end(), l.decayed_load().begin(), l.decayed_load().end());
   }
+  if (m.has_gpu_cache_share()) {
+    // A run with the hot-expert cache: the experts the GPUs computed are outlined.
+    map.hot.assign(map.load.size(), 0);
+    for (int l = 0; l < m.moe_layers_size(); ++l) {
+      for (int32_t x : m.moe_layers(l).gpu_experts()) {
+        if (x >= 0 && x < map.num_experts) map.hot[l * map.num_experts + x] = 1;
+      }
+    }
+  }
   if (map.layer_idx.empty()) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ":", chosen_no, ": step ", m.step(), " has no MoE layer"));

@@ -2,7 +2,8 @@
 // global batch (losses, parameters, and every layer's routing telemetry), for qwen3_moe and for the
 // sigmoid-routed families (deepseek_v3, glm4_moe: sequence-wise balance loss, correction biases
 // moved from global counts), on packed SFT samples (segment masks, restarting positions), and with
-// each MoE layer pipelined over token chunks (parallel.dispatch_chunks). Runs under mpirun -np 2
+// each MoE layer pipelined over token chunks (parallel.dispatch_chunks), and with the hot-expert
+// cache on its CPU twin (framework/expert_cache.h). Runs under mpirun -np 2
 // and -np 4: every rank trains with its share of each micro-batch and its share of the experts;
 // rank 0 also trains the same model alone (a one-rank communicator, W times the micro-batch) and
 // compares losses and the final parameters (experts gathered from their
@@ -111,7 +112,14 @@ absl::StatusOr<TokenDataset> PackedCorpus(int64_t seq_len) {
 }
 
 Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> world, int ep_size,
-             const std::string& dispatcher, bool packed = false, int64_t chunks = 1) {
+             const std::string& dispatcher, bool packed = false, int64_t chunks = 1,
+             bool cache = false) {
+  if (cache) {
+    // The hot-expert cache on its CPU twin: 3 experts of each process on the
+    // second compute path.
+    run.runtime.expert_cache_device = c10::Device(c10::kCPU);
+    run.train.gpu_cache_experts = 3;
+  }
   auto groups = parallel::MakeProcessGroups(world, {.ep_size = ep_size});
   EXPECT_TRUE(groups.ok()) << groups.status();
   run.runtime.expert_group = groups->expert_parallel;
@@ -151,6 +159,7 @@ struct EpCase {
   std::string family = "qwen3_moe";
   bool packed = false;  // SFT samples packed with segments, else the byte stream
   int64_t chunks = 1;   // parallel.dispatch_chunks of the multi-process run
+  bool cache = false;   // the multi-process run with the hot-expert cache (CPU twin)
 };
 
 class EpEqualsSingleProcess : public ::testing::TestWithParam<EpCase> {};
@@ -162,8 +171,13 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     GTEST_SKIP() << "ep_size " << c.ep_size << " does not fit " << world->size() << " ranks";
   }
   constexpr int64_t kMicro = 2;
-  Result multi =
-      Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed, c.chunks);
+  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed,
+                       c.chunks, c.cache);
+  if (c.cache) {
+    double served = 0;
+    for (const StepStats& s : multi.steps) served += s.gpu_cache_share;
+    EXPECT_GT(served, 0.2) << "the cache computed (almost) nothing";
+  }
   if (world->rank() != 0) return;
   Result single = Train(SmallRun(kMicro * world->size(), c.family),
                         parallel::LocalCommunicator::Create(), 0, "alltoall", c.packed);
@@ -223,11 +237,14 @@ INSTANTIATE_TEST_SUITE_P(
                       EpCase{"alltoall", 0, "qwen3_moe", true},
                       EpCase{"alltoall", 0, "deepseek_v3", true},
                       EpCase{"alltoall", 0, "qwen3_moe", false, 3},
-                      EpCase{"alltoall", 0, "deepseek_v3", true, 2}),
+                      EpCase{"alltoall", 0, "deepseek_v3", true, 2},
+                      EpCase{"alltoall", 0, "qwen3_moe", false, 1, true},
+                      EpCase{"alltoall", 0, "deepseek_v3", true, 2, true}),
     [](const auto& info) {
       return info.param.family + "_" + info.param.dispatcher + "_ep" +
              std::to_string(info.param.ep_size) + (info.param.packed ? "_packed" : "") +
-             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "") +
+             (info.param.cache ? "_gpu_cache_twin" : "");
     });
 
 // Dense gradients summed bucket by bucket during backward equal the sums

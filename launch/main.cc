@@ -30,11 +30,13 @@
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
 #include "launch/eval_command.h"
+#include "launch/expert_map_command.h"
 #include "launch/export_command.h"
 #include "launch/inspect_command.h"
 #include "launch/merge_command.h"
 #include "launch/plan_command.h"
 #include "launch/reshard_command.h"
+#include "launch/routing_report_command.h"
 #include "launch/startup_check.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
@@ -76,6 +78,13 @@ ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
 ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
 ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
 ABSL_FLAG(int32_t, ep, 0, "reshard: expert-parallel ranks of the output");
+ABSL_FLAG(int64_t, sequences, 256, "routing-report: sequences per data source, at most");
+ABSL_FLAG(int64_t, bootstrap, 1000, "routing-report: bootstrap resamples");
+ABSL_FLAG(double, confidence, 0.95, "routing-report: confidence of the intervals");
+ABSL_FLAG(int64_t, top, 5, "routing-report: experts listed per source");
+ABSL_FLAG(std::string, json_out, "", "routing-report: write every figure to this JSON file");
+ABSL_FLAG(int64_t, step, 0, "expert-map: the step to draw (0 = the last in the metrics file)");
+ABSL_FLAG(std::string, out, "", "expert-map: the PNG file to write (default: beside the metrics)");
 
 namespace moefit::launch {
 namespace {
@@ -144,6 +153,21 @@ std::string Usage() {
          "      B 1. fp8 and int4 experts need --mode lora; int4 has a bf16 scale per G4\n"
          "      inputs (default: the config's quantization_config, else 32).\n"
          "      Exit 0 fits, 3 does not fit, 2 bad input.\n"
+         "  routing-report [CONFIG] --data A --data B ... [--set FIELD=VALUE]...\n"
+         "       [--sequences N] [--bootstrap B] [--confidence C] [--top K] [--json-out FILE]\n"
+         "      Which experts each data source uses (A, B: .jsonl of {\"input_ids\": [...]}, a\n"
+         "      sequence per line, or text through the byte tokenizer): each expert's share of\n"
+         "      a source's tokens with bootstrap intervals over its sequences, against a control\n"
+         "      (the same tokens shuffled within each sequence); the experts that take more of\n"
+         "      a source than of every other, measured. Defaults: 256 sequences, 1000\n"
+         "      resamples, 95%, top 5.\n"
+         "  expert-map RUN_DIR [--step N] [--out FILE.png]\n"
+         "      Draw the expert map of a run again from its metrics file (RUN_DIR: the file,\n"
+         "      or the directory holding it): MoE layers x experts, each expert coloured by\n"
+         "      its decayed load relative to its layer's mean (blue below, white at, red\n"
+         "      above, up to 8x), the hot experts (2x the mean) outlined, as training draws\n"
+         "      it with logging.expert_map_every_steps. Default: the last step, written to\n"
+         "      expert-map.png beside the metrics file.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -196,6 +220,7 @@ int Fail(const absl::Status& s) {
 
 struct Args {
   std::vector<std::string> sets;
+  std::vector<std::string> data;  // routing-report's repeated --data
   std::vector<std::string> positional;
   bool help = false;
 };
@@ -217,6 +242,14 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
       out->sets.push_back(argv[++i]);
     } else if (absl::StartsWith(a, "--set=") && allowed.count("set")) {
       out->sets.push_back(a.substr(6));
+    } else if (a == "--data" && allowed.count("data")) {
+      if (i + 1 >= argc) {
+        std::cerr << "moefit: --data needs FILE" << std::endl;
+        return false;
+      }
+      out->data.push_back(argv[++i]);
+    } else if (absl::StartsWith(a, "--data=") && allowed.count("data")) {
+      out->data.push_back(a.substr(7));
     } else if (absl::StartsWith(a, "-") && a != "-") {
       const size_t dashes = a.find_first_not_of('-');
       const size_t eq = a.find('=');
@@ -427,6 +460,9 @@ int Main(int argc, char** argv) {
       {"export", {"max_shard_bytes", "save_dtype"}},
       {"merge", {"max_shard_bytes", "save_dtype"}},
       {"reshard", {"ep"}},
+      {"expert-map", {"step", "out"}},
+      {"routing-report",
+       {"set", "print_config", "data", "sequences", "bootstrap", "confidence", "top", "json_out"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
         "int4_group_size", "packed_weight_gb", "cpu_isa", "seq_len", "micro_batch", "json"}},
@@ -443,6 +479,27 @@ int Main(int argc, char** argv) {
     return kExitOk;
   }
 
+  if (cmd == "routing-report") {
+    std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
+    if (const int* rc = std::get_if<int>(&loaded)) return *rc;
+    const RunConfig& run = std::get<RunConfig>(loaded);
+    parallel::ConfigureWatchdog({.timeout = absl::Seconds(run.timeout_s),
+                                 .startup_timeout = absl::Seconds(run.startup_timeout_s)});
+    RoutingReportOptions report;
+    report.data = args.data;
+    report.num_sequences = absl::GetFlag(FLAGS_sequences);
+    report.num_resamples = absl::GetFlag(FLAGS_bootstrap);
+    report.confidence = absl::GetFlag(FLAGS_confidence);
+    report.top = absl::GetFlag(FLAGS_top);
+    report.json_out = absl::GetFlag(FLAGS_json_out);
+    return RunCollective(
+        &argc, &argv,
+        [&](auto world) {
+          MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+          return RunRoutingReport(run, report, world, std::cout);
+        },
+        run.progress_thread_us);
+  }
   if (cmd == "train" || cmd == "eval") {
     std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
     if (const int* rc = std::get_if<int>(&loaded)) return *rc;
@@ -477,6 +534,17 @@ int Main(int argc, char** argv) {
     return s.ok() ? kExitOk : Fail(s);
   }
   if (cmd == "plan") return PlanCommand(args);
+  if (cmd == "expert-map") {
+    if (args.positional.size() != 1 || absl::GetFlag(FLAGS_step) < 0) {
+      std::cerr << "moefit: usage: moefit expert-map RUN_DIR [--step N] [--out FILE.png]"
+                << std::endl;
+      return kExitBadInput;
+    }
+    absl::Status s = RunExpertMapCommand(
+        args.positional[0], {.step = absl::GetFlag(FLAGS_step), .out = absl::GetFlag(FLAGS_out)},
+        std::cout);
+    return s.ok() ? kExitOk : Fail(s);
+  }
   if (cmd == "reshard") {
     if (args.positional.size() != 2 || absl::GetFlag(FLAGS_ep) < 1) {
       std::cerr << "moefit: usage: moefit reshard IN_DIR OUT_DIR --ep M (M >= 1)" << std::endl;

@@ -56,6 +56,8 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
     // LibTorch's current device too, so that nothing lands on GPU 0 by default.
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(run.runtime.dense_device);
     out.gpu_per_process = parallel::GpuPerProcess(node, num_gpus);
+    // The hot-expert cache computes on this process's GPU.
+    if (run.train.gpu_cache_experts > 0) run.runtime.expert_cache_device = run.runtime.dense_device;
   }
   if (run.runtime.recompute == framework::Recompute::kFull && !run.runtime.dense_device.is_cpu() &&
       out.groups.world->size() > 1) {

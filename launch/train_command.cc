@@ -23,6 +23,7 @@
 #include "framework/training_checkpoint.h"
 #include "launch/corpus.h"
 #include "launch/memory_report.h"
+#include "launch/run_setup.h"
 #include "parallel/process_groups.h"
 #ifdef MOEFIT_HAS_NCCL
 #include "parallel/nccl_communicator.h"

@@ -11,7 +11,6 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "checkpoint/training_manifest.h"
-#include "checkpoint/weight_loader.h"
 #include "experts/kernels/isa.h"
 #include "framework/adapter_io.h"
 #include "framework/data.h"

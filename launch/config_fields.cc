@@ -10,6 +10,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/strings/string_view.h"
 #include "absl/strings/strip.h"
 #include "c10/util/Exception.h"
 
@@ -29,7 +30,7 @@ bool DefaultWhenAbsent(const pb::FieldDescriptor& field) {
 
 namespace {
 
-double ParseBound(std::string_view text, const std::string& range) {
+double ParseBound(absl::string_view text, const std::string& range) {
   double v = 0;
   text = absl::StripAsciiWhitespace(text);
   if (text == "inf") return std::numeric_limits<double>::infinity();
@@ -90,9 +91,9 @@ std::pair<double, std::string> NumericValue(const pb::Message& m, const pb::Fiel
 
 FieldRange ParseFieldRange(const std::string& text) {
   FieldRange r;
-  std::string_view body = text;
+  absl::string_view body = text;
   const size_t paren = body.find(" (");
-  if (paren != std::string_view::npos) {
+  if (paren != absl::string_view::npos) {
     TORCH_CHECK(body.back() == ')', "config.proto: range '", text, "': unclosed note");
     r.note = std::string(body.substr(paren + 2, body.size() - paren - 3));
     body = body.substr(0, paren);
@@ -106,7 +107,8 @@ FieldRange ParseFieldRange(const std::string& text) {
              (body.back() == ']' || body.back() == ')')) {
     r.low_open = body.front() == '(';
     r.high_open = body.back() == ')';
-    const std::vector<std::string_view> ends = absl::StrSplit(body.substr(1, body.size() - 2), ',');
+    const std::vector<absl::string_view> ends =
+        absl::StrSplit(body.substr(1, body.size() - 2), ',');
     TORCH_CHECK(ends.size() == 2, "config.proto: range '", text, "' needs two bounds");
     r.low = ParseBound(ends[0], text);
     r.high = ParseBound(ends[1], text);
@@ -133,16 +135,25 @@ std::string FieldRange::Describe() const {
   return note.empty() ? what : absl::StrCat(what, " (", note, ")");
 }
 
+bool SetToDefault(const pb::FieldDescriptor& field, pb::Message* message) {
+  const std::string value = DefaultValueOf(field);
+  if (value.empty()) return false;
+  if (field.cpp_type() == pb::FieldDescriptor::CPPTYPE_STRING) {
+    // Written bare in the option, as a config would quote it.
+    message->GetReflection()->SetString(message, &field, value);
+    return true;
+  }
+  return pb::TextFormat::ParseFieldValueFromString(value, &field, message);
+}
+
 void FillConfigDefaults(proto::Config* config) {
   const pb::Reflection& reflection = *config->GetReflection();
   ForEachSetting(*config->GetDescriptor(),
                  [&](const pb::FieldDescriptor& section, const pb::FieldDescriptor& field) {
-                   const std::string value = DefaultValueOf(field);
-                   if (value.empty() || DefaultWhenAbsent(field)) return;
-                   pb::Message* m = reflection.MutableMessage(config, &section);
-                   TORCH_CHECK(pb::TextFormat::ParseFieldValueFromString(value, &field, m),
-                               "config.proto: ", field.full_name(), "'s default_value '", value,
-                               "' does not parse");
+                   if (DefaultValueOf(field).empty() || DefaultWhenAbsent(field)) return;
+                   TORCH_CHECK(SetToDefault(field, reflection.MutableMessage(config, &section)),
+                               "config.proto: ", field.full_name(), "'s default_value '",
+                               DefaultValueOf(field), "' does not parse");
                  });
 }
 

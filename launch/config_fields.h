@@ -19,6 +19,11 @@ namespace moefit::launch {
 // before its file and overrides are merged onto it.
 void FillConfigDefaults(proto::Config* config);
 
+// Sets `field` of `message` to its `default_value` (strings as written, other
+// types parsed as text format); false if it has none or it does not parse.
+bool SetToDefault(const google::protobuf::FieldDescriptor& field,
+                  google::protobuf::Message* message);
+
 // Checks every field with a `range` (a field with explicit presence only when
 // it is set): InvalidArgument "section.field = VALUE must be ..." for the
 // first value outside its range, in the schema's order.

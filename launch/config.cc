@@ -314,6 +314,10 @@ proto::Config DefaultConfig() {
   return config;
 }
 
+int64_t ShardBytes(int64_t given) {
+  return given > 0 ? given : DefaultConfig().checkpoint().max_shard_bytes();
+}
+
 namespace {
 
 // Applies the overrides to `config` (already merged onto the defaults), then
@@ -1126,6 +1130,7 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 " must be between 0 and 1048576 (GiB; 0: pack on every call)"));
   }
   run.runtime.expert_packed_bytes = static_cast<int64_t>(e.packed_weight_gb() * (int64_t{1} << 30));
+  run.train.gpu_cache_every_steps = e.gpu_cache_every_steps();
   if (e.gpu_cache_experts() > 0) {
     if (!run.train.routing_telemetry) {
       return Invalid(
@@ -1133,7 +1138,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
           "logging.routing_telemetry, which is off");
     }
     run.train.gpu_cache_experts = e.gpu_cache_experts();
-    run.train.gpu_cache_every_steps = e.gpu_cache_every_steps();
   }
 
   const std::string& dev = c.parallel().device();

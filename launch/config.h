@@ -27,6 +27,10 @@ extern const char kDemoConfig[];
 // The built-in defaults of every field but the model's.
 proto::Config DefaultConfig();
 
+// A shard size given to export or merge, or checkpoint.max_shard_bytes's
+// default where it is 0 (not given).
+int64_t ShardBytes(int64_t given);
+
 // Reads `path` (empty = the demo config) merged onto the defaults, then
 // applies each "path.to.field=value" override in order, then merges the
 // model's config_json. InvalidArgument / NotFound on bad input.

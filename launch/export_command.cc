@@ -62,7 +62,7 @@ absl::Status ExportTrainingCheckpoint(const std::string& src, const std::string&
     return absl::OkStatus();
   }
   framework::SaveOptions save;
-  save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
+  save.max_shard_bytes = static_cast<uint64_t>(ShardBytes(options.max_shard_bytes));
   save.dtype = options.dtype;
   save.base_config_json = run.base_config_json;
   save.copy_files_from = run.model_path;
@@ -87,8 +87,9 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
   config.mutable_model()->set_config_json(config_path.string());
   MOEFIT_RETURN_IF_ERROR(MergeHfConfigJson(config_path.string(), config.mutable_model()));
   MOEFIT_ASSIGN_OR_RETURN(RunConfig run, ResolveConfig(config));
-  MOEFIT_ASSIGN_OR_RETURN(router::ExpertPlacement placement,
-                          router::ExpertPlacement::Contiguous(run.model.num_experts, world->size()));
+  MOEFIT_ASSIGN_OR_RETURN(
+      router::ExpertPlacement placement,
+      router::ExpertPlacement::Contiguous(run.model.num_experts, world->size()));
 
   checkpoint::LoadOptions lo;
   lo.first_expert = placement.first_expert(world->rank());
@@ -129,11 +130,11 @@ absl::Status RunExport(const std::string& src, const std::string& dst,
   in.config_json_text = config_json;
   in.copy_files_from = src;
   framework::SaveOptions save;
-  save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
+  save.max_shard_bytes = static_cast<uint64_t>(ShardBytes(options.max_shard_bytes));
   save.dtype = options.dtype;
   MOEFIT_RETURN_IF_ERROR(framework::SaveHfTensors(in, dst, *world, save));
-  log << absl::StrFormat("moefit: exported %s (%s, %d experts) to %s; rank 0 read %.3f GB",
-                         src, run.model.model_type, run.model.num_experts, dst,
+  log << absl::StrFormat("moefit: exported %s (%s, %d experts) to %s; rank 0 read %.3f GB", src,
+                         run.model.model_type, run.model.num_experts, dst,
                          report.num_bytes_read / 1e9)
       << std::endl;
   return absl::OkStatus();

@@ -566,8 +566,12 @@ int Main(int argc, char** argv) {
     return kExitBadInput;
   }
   ExportCommandOptions options;
-  options.max_shard_bytes =
-      absl::GetFlag(FLAGS_max_shard_bytes).value_or(DefaultConfig().checkpoint().max_shard_bytes());
+  const std::optional<int64_t> shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  if (shard_bytes && *shard_bytes <= 0) {
+    std::cerr << "moefit: --max_shard_bytes = " << *shard_bytes << " must be positive" << std::endl;
+    return kExitBadInput;
+  }
+  options.max_shard_bytes = ShardBytes(shard_bytes.value_or(0));
   const std::string dtype = absl::GetFlag(FLAGS_save_dtype);
   if (dtype == "bfloat16") {
     options.dtype = at::kBFloat16;
@@ -575,11 +579,6 @@ int Main(int argc, char** argv) {
     options.dtype = at::kFloat;
   } else if (!dtype.empty()) {
     std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16"
-              << std::endl;
-    return kExitBadInput;
-  }
-  if (options.max_shard_bytes <= 0) {
-    std::cerr << "moefit: --max_shard_bytes = " << options.max_shard_bytes << " must be positive"
               << std::endl;
     return kExitBadInput;
   }

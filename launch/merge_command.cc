@@ -29,7 +29,7 @@ absl::Status RunMerge(const std::string& base, const std::string& adapter, const
   MOEFIT_ASSIGN_OR_RETURN(ParallelModel built, BuildModel(run, world, log));
   MOEFIT_RETURN_IF_ERROR(built.model->MergeAdapters());
   framework::SaveOptions save;
-  save.max_shard_bytes = static_cast<uint64_t>(options.max_shard_bytes);
+  save.max_shard_bytes = static_cast<uint64_t>(ShardBytes(options.max_shard_bytes));
   save.dtype = options.dtype.value_or(base_dtype);
   save.base_config_json = run.base_config_json;
   save.copy_files_from = base;

@@ -25,6 +25,7 @@
 #include "parallel/progress.h"
 #include "proto/status_macros.h"
 #include "router/gating.h"
+#include "router/routing_stats.h"
 
 namespace moefit::framework {
 namespace {
@@ -141,6 +142,16 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   std::unique_ptr<MoeModel> model(new MoeModel(options, rt, std::move(*placement)));
   model->backend_ = std::move(*backend);
   model->dispatcher_ = std::move(*dispatcher);
+  if (rt.expert_cache_device) {
+    if (rt.quantized_experts()) {
+      return absl::InvalidArgumentError(
+          "experts.gpu_cache_experts computes float32 or bfloat16 experts on the GPU; these are "
+          "stored quantized (FP8 or int4)");
+    }
+    auto cache_backend = experts::CreateExpertBackend("eager", {});
+    if (!cache_backend.ok()) return cache_backend.status();
+    model->cache_backend_ = std::move(*cache_backend);
+  }
   if (rt.lora.enabled()) {
     absl::StatusOr<LoraTargets> targets = ResolveLoraTargets(options, rt.lora.target_modules);
     if (!targets.ok()) return targets.status();
@@ -174,6 +185,7 @@ absl::StatusOr<std::unique_ptr<MoeModel>> MoeModel::Create(const ModelOptions& o
   model->runtime_.expert_master_weights =
       rt.expert_master_weights && rt.expert_dtype != at::kFloat && !rt.lora.enabled();
   model->Build(seed, init);
+  model->expert_caches_.resize(model->layers_.size());
   // Loaded weights are copied once loaded (LoadPretrained).
   if (init == WeightInit::kRandom) model->SyncExpertCopies();
   if (rt.lora.enabled()) model->AddAdapters(seed);
@@ -502,6 +514,30 @@ std::vector<at::Tensor> MoeModel::expert_copies() const {
   return out;
 }
 
+void MoeModel::SetCachedExperts(int64_t layer_idx, std::vector<int64_t> local_experts) {
+  TORCH_CHECK(runtime_.expert_cache_device.has_value(), "no hot-expert cache in this model");
+  TORCH_CHECK(
+      layer_idx >= 0 && layer_idx < static_cast<int64_t>(layers_.size()) && layers_[layer_idx].moe,
+      "layer ", layer_idx, " is not a MoE layer");
+  const Layer& l = layers_[layer_idx];
+  experts::ExpertWeights host{l.gate_up_compute.defined() ? l.gate_up_compute : l.gate_up_proj,
+                              l.gate_up_compute.defined() ? l.down_compute : l.down_proj,
+                              l.expert_lora};
+  const bool frozen = runtime_.lora.enabled() || runtime_.frozen_base;
+  expert_caches_[layer_idx].SetExperts(std::move(local_experts), host,
+                                       *runtime_.expert_cache_device, frozen);
+}
+
+const std::vector<int64_t>& MoeModel::cached_experts(int64_t layer_idx) const {
+  return expert_caches_[layer_idx].experts();
+}
+
+MoeModel::ExpertRows MoeModel::TakeExpertRows() {
+  ExpertRows rows = expert_rows_;
+  expert_rows_ = {};
+  return rows;
+}
+
 void MoeModel::SetTraining(bool training) {
   for (const LinearSlot& slot : LinearSlots()) {
     slot.adapter->dropout = training ? runtime_.lora.dropout : 0.0;
@@ -561,6 +597,7 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
   routing->prob_sum = stats.prob_sum;
   routing->expert_count = stats.expert_count.to(at::kCPU);
   routing->correction_bias = l.correction_bias;
+  if (runtime_.routing_telemetry) routing->entropy_sum = router::RouterEntropySum(r.probs).cpu();
 
   // c. Activations to the host, in the experts' dtype (converted first: fewer bytes cross).
   at::Tensor x_host = internal::MoveActivations(x.to(runtime_.expert_compute_dtype()), at::kCPU);
@@ -586,17 +623,24 @@ at::Tensor MoeModel::Moe(const Layer& l, const at::Tensor& x, int64_t num_sequen
     weights.gate_up_proj = l.gate_up_compute;
     weights.down_proj = l.down_compute;
   }
+  const LayerExpertCache& cache = expert_caches_[l.idx];
   auto compute = [&](const parallel::DispatchedRows& rows) {
+    for (int64_t c : rows.counts) expert_rows_.total += c;
+    if (cache_backend_ != nullptr && !cache.empty()) {
+      // The cached experts' rows on the cache's device, the others here.
+      return cache.Compute(*backend_, *cache_backend_, rows.rows, rows.row_index, rows.counts,
+                           weights, ffn, &expert_rows_.cached);
+    }
     experts::ExpertFfnOptions chunk_ffn = ffn;
     chunk_ffn.row_index = rows.row_index;
     chunk_ffn.row_copies = rows.row_copies;
     return experts::ExpertFfn(*backend_, rows.rows, rows.counts, weights, chunk_ffn);
   };
-  at::Tensor out =
-      dispatcher_
-          ->Run(x_host, r.topk_idx.to(at::kCPU), r.topk_weight.to(at::kCPU, at::kFloat),
-                runtime_.dispatch_chunks, compute)
-          .to(x.scalar_type());
+  routing->topk_idx = r.topk_idx.to(at::kCPU);
+  at::Tensor out = dispatcher_
+                       ->Run(x_host, routing->topk_idx, r.topk_weight.to(at::kCPU, at::kFloat),
+                             runtime_.dispatch_chunks, compute)
+                       .to(x.scalar_type());
   out = internal::MoveActivations(out, x.device());  // back to the dense device
   return shared.defined() ? out + shared : out;
 }

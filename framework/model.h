@@ -22,11 +22,13 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "experts/expert_backend.h"
+#include "framework/expert_cache.h"
 #include "framework/lora.h"
 #include "framework/model_options.h"
 #include "router/expert_placement.h"
@@ -90,6 +92,14 @@ struct ModelRuntime {
   // Token chunks each MoE layer's dispatch, expert compute and combine are
   // pipelined over (Dispatcher::Run); 1 = no pipelining.
   int64_t dispatch_chunks = 1;
+  // The routers also report the entropy of their choices
+  // (MoeLayerRouting::entropy_sum), for routing telemetry.
+  bool routing_telemetry = false;
+  // The hot-expert cache's device (framework/expert_cache.h): the process's
+  // GPU, or the CPU as a second compute path (the twin the cache is tested
+  // on). Unset: no cache; the routed experts are all computed by the host
+  // backend.
+  std::optional<c10::Device> expert_cache_device;
 
   // The dtype the experts' inputs and outputs travel and compute in.
   at::ScalarType expert_compute_dtype() const {
@@ -134,6 +144,13 @@ struct MoeLayerRouting {
   // The layer's e_score_correction_bias buffer itself (undefined without one):
   // the trainer moves it in place after each step.
   at::Tensor correction_bias;
+  // With ModelRuntime::routing_telemetry: the sum over this rank's tokens of
+  // the entropy of their routing distributions (router::RouterEntropySum), a
+  // float64 scalar on the CPU; undefined otherwise.
+  at::Tensor entropy_sum;
+  // [tokens, k] int64 on the CPU: each of this rank's tokens' chosen experts
+  // (global ids), in the order of the layer's input rows.
+  at::Tensor topk_idx;
 };
 
 struct ForwardResult {
@@ -211,6 +228,21 @@ class MoeModel {
   std::vector<MasterCopy> expert_master_copies() const;
   // Training mode turns on the adapters' dropout (off by default: inference).
   void SetTraining(bool training);
+  // ModelRuntime::routing_telemetry: the routers report their entropy too.
+  void SetRoutingTelemetry(bool on) { runtime_.routing_telemetry = on; }
+  // The hot-expert cache (ModelRuntime::expert_cache_device): decoder layer
+  // `layer_idx` (a MoE layer) computes its local experts `local_experts`
+  // (ascending) on the cache's device from the next forward pass on.
+  void SetCachedExperts(int64_t layer_idx, std::vector<int64_t> local_experts);
+  // Its cached local experts (empty without a cache).
+  const std::vector<int64_t>& cached_experts(int64_t layer_idx) const;
+  // Rows (token, expert) this process's experts computed since the last
+  // call, and how many of them on the cache's device; starts counting anew.
+  struct ExpertRows {
+    int64_t total = 0;
+    int64_t cached = 0;
+  };
+  ExpertRows TakeExpertRows();
   // The resolved LoRA targets (empty without LoRA).
   const LoraTargets& lora_targets() const { return lora_targets_; }
   // State that is saved and loaded with the weights but not trained by the
@@ -248,6 +280,11 @@ class MoeModel {
   ModelOptions options_;
   ModelRuntime runtime_;
   std::unique_ptr<experts::ExpertBackend> backend_;
+  // The hot-expert cache: its backend (eager: ATen ops, on any device), each
+  // decoder layer's cached experts, and the rows computed.
+  std::unique_ptr<experts::ExpertBackend> cache_backend_;
+  std::vector<LayerExpertCache> expert_caches_;
+  ExpertRows expert_rows_;
   router::ExpertPlacement placement_;
   std::unique_ptr<parallel::Dispatcher> dispatcher_;
   std::vector<Parameter> params_;

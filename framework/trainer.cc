@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <optional>
 
@@ -17,11 +18,17 @@
 #include "framework/adamw.h"
 #include "framework/dense_autocast.h"
 #include "framework/internal/host_transfer.h"
+#include "framework/internal/process_memory.h"
+#include "framework/output_dir.h"
+#include "framework/routing_telemetry.h"
+#include "framework/step_summaries.h"
+#include "framework/tensorboard_writer.h"
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
 #include "proto/metrics.pb.h"
 #include "router/gating.h"
+#include "router/hot_expert_cache.h"
 
 namespace moefit::framework {
 
@@ -82,18 +89,26 @@ struct Trainer::Impl {
   // after backward (options.overlap_grad_sync off, or one data-parallel rank).
   std::unique_ptr<parallel::OverlappedGradSync> dense_sync;
   int64_t first_step = 0;
+  RoutingTelemetry routing;
+  // The hot-expert cache's choice of this process's experts (created at the
+  // first step: one candidate per MoE layer and local expert).
+  std::unique_ptr<router::HotExpertCachePolicy> cache_policy;
 
-  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o,
-       const parallel::ProcessGroups* g)
+  Impl(MoeModel& m, const TokenDataset& d, const TrainOptions& o, const parallel::ProcessGroups* g)
       : model(m),
         data(d),
         options(o),
         groups(g != nullptr ? *g : LocalGroups(m)),
-        sampler(d.num_sequences(), o.seed) {
+        sampler(d.num_sequences(), o.seed),
+        routing({.enabled = o.routing_telemetry, .half_life_steps = o.routing_half_life_steps}) {
     // Dropout (LoRA's) draws from the default generator: the same seed, the
     // same masks, run after run; each rank its own stream.
     at::manual_seed(o.seed + static_cast<uint64_t>(groups.world->rank()));
     model.SetTraining(true);
+    model.SetRoutingTelemetry(o.routing_telemetry);
+    TORCH_CHECK(o.gpu_cache_experts == 0 ||
+                    (model.runtime().expert_cache_device.has_value() && o.routing_telemetry),
+                "the hot-expert cache needs a cache device in the model and routing telemetry");
     const c10::Device dense_device = model.runtime().dense_device;
     TORCH_CHECK(dense_device.is_cuda() || !o.allow_tf32, "TF32 needs the dense layers on a GPU");
     if (o.allow_tf32) at::globalContext().setAllowTF32CuBLAS(true);
@@ -120,6 +135,52 @@ struct Trainer::Impl {
                                                {.bucket_bytes = o.grad_bucket_bytes});
       TORCH_CHECK(sync.ok(), sync.status().ToString());
       dense_sync = *std::move(sync);
+    }
+  }
+
+  // The step's hot-expert cache figures (which experts each process computed
+  // on its GPU, the share of rows there: one all-reduce), then the next
+  // cached set from the decayed counters, which every rank holds alike.
+  void UpdateCache(int64_t steps_done, StepStats* stats) {
+    const router::ExpertPlacement& placement = model.placement();
+    const int ep_rank = groups.expert_parallel->rank();
+    const int64_t first = placement.first_expert(ep_rank), local = placement.num_local(ep_rank);
+    const int64_t layers = static_cast<int64_t>(stats->moe_layers.size());
+    const int64_t e = model.options().num_experts;
+    const MoeModel::ExpertRows rows = model.TakeExpertRows();
+    at::Tensor summary = at::zeros({layers * e + 2}, at::kDouble);
+    double* p = summary.data_ptr<double>();
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t j : model.cached_experts(stats->moe_layers[l].layer_idx))
+        p[l * e + first + j] = 1;
+    }
+    p[layers * e] = static_cast<double>(rows.cached);
+    p[layers * e + 1] = static_cast<double>(rows.total);
+    SumOver(*groups.world, summary);
+    stats->gpu_cache = true;
+    stats->gpu_cache_share = p[layers * e + 1] > 0 ? p[layers * e] / p[layers * e + 1] : 0.0;
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t x = 0; x < e; ++x) {
+        if (p[l * e + x] > 0) stats->moe_layers[l].gpu_experts.push_back(x);
+      }
+    }
+    if (cache_policy == nullptr) {
+      cache_policy = std::make_unique<router::HotExpertCachePolicy>(
+          layers * local,
+          router::HotExpertCacheOptions{.capacity = options.gpu_cache_experts,
+                                        .every_steps = options.gpu_cache_every_steps,
+                                        .half_life_steps = options.routing_half_life_steps});
+    }
+    std::vector<double> load(static_cast<size_t>(layers * local));
+    for (int64_t l = 0; l < layers; ++l) {
+      for (int64_t j = 0; j < local; ++j)
+        load[l * local + j] = stats->moe_layers[l].decayed_load[first + j];
+    }
+    if (cache_policy->Update(steps_done, load).empty()) return;
+    std::vector<std::vector<int64_t>> per_layer(static_cast<size_t>(layers));
+    for (int64_t i : cache_policy->cached()) per_layer[i / local].push_back(i % local);
+    for (int64_t l = 0; l < layers; ++l) {
+      model.SetCachedExperts(stats->moe_layers[l].layer_idx, per_layer[l]);
     }
   }
 
@@ -151,8 +212,8 @@ struct Trainer::Impl {
     }
     parallel::AllReduceSum(*groups.expert_data_parallel, Grads(expert_params));
     at::Tensor expert_sq = at::full({1}, SquaredNorm(expert_params), at::kDouble);
-    const double sq = SquaredNorm(dense_params) +
-                      SumOver(*groups.expert_parallel, expert_sq).item<double>();
+    const double sq =
+        SquaredNorm(dense_params) + SumOver(*groups.expert_parallel, expert_sq).item<double>();
     const double norm = std::sqrt(sq);
     if (max_norm > 0 && norm > max_norm) {
       const double scale = max_norm / (norm + 1e-6);
@@ -205,8 +266,8 @@ StepStats Trainer::Step(int64_t step) {
     micro.push_back(s.data.Gather({first, first + mb}));
     trained_here += CountTrainedTokens(micro.back().labels);
   }
-  const int64_t trained = std::max<int64_t>(
-      1, SumOver(dp, at::full({1}, trained_here, at::kLong)).item<int64_t>());
+  const int64_t trained =
+      std::max<int64_t>(1, SumOver(dp, at::full({1}, trained_here, at::kLong)).item<int64_t>());
 
   StepStats stats;
   stats.step = step + 1;
@@ -218,9 +279,7 @@ StepStats Trainer::Step(int64_t step) {
   s.optimizer->ZeroGrad();
   stats.optimizer_seconds = since(zero_start);
   double loss_here = 0, aux_here = 0;
-  at::Tensor load;  // [moe layers, E] assignments over the global batch
-  std::vector<int64_t> moe_layer_idx;  // decoder layer of each row of `load`
-  std::vector<at::Tensor> correction_biases;  // of each row of `load` (undefined: none)
+  s.routing.BeginStep();
   for (const Batch& batch : micro) {
     std::optional<DenseAutocast> autocast;
     autocast.emplace(s.model.runtime().dense_device, o.dense_autocast);
@@ -229,9 +288,9 @@ StepStats Trainer::Step(int64_t step) {
     autocast.reset();  // the loss terms below and backward run as recorded
     at::Tensor loss = ce.sum / static_cast<double>(trained);
     if (!out.moe_layers.empty()) {
-      std::vector<at::Tensor> counts;
-      for (const MoeLayerRouting& r : out.moe_layers) counts.push_back(r.expert_count);
-      at::Tensor layer_counts = SumOver(dp, at::stack(counts).to(at::kDouble));
+      // One all-reduce: the counts, and the routing telemetry's sums beside them.
+      at::Tensor routed = SumOver(dp, PackRoutingSums(out.moe_layers, s.routing.columns(mo)));
+      at::Tensor layer_counts = routed.narrow(1, 0, mo.num_experts);
       if (mo.scoring == RouterScoring::kSoftmax) {
         // HF's balance loss over all MoE layers' decisions on this micro-batch
         // of the global batch: counts and token totals are summed over ranks,
@@ -254,13 +313,7 @@ StepStats Trainer::Step(int64_t step) {
         aux_here += aux.item<double>();
         loss = loss + aux * (mo.aux_loss_alpha / static_cast<double>(o.grad_accum_steps));
       }
-      load = load.defined() ? load + layer_counts : layer_counts;
-      if (moe_layer_idx.empty()) {
-        for (const MoeLayerRouting& r : out.moe_layers) {
-          moe_layer_idx.push_back(r.layer_idx);
-          correction_biases.push_back(r.correction_bias);
-        }
-      }
+      s.routing.AddMicroBatch(routed, out.moe_layers, mo, per_micro);
     }
     loss_here += ce.sum.item<double>();
     // The last backward completes the gradients: its buckets go out as they fill.
@@ -280,23 +333,24 @@ StepStats Trainer::Step(int64_t step) {
   // holds alike, so the biases stay equal on all ranks.
   if (o.bias_update_rate > 0) {
     torch::NoGradGuard no_grad;
+    const std::vector<at::Tensor>& correction_biases = s.routing.correction_biases();
+    const at::Tensor load = s.routing.step_counts();
     for (size_t row = 0; row < correction_biases.size(); ++row) {
-      at::Tensor& bias = correction_biases[row];
+      at::Tensor bias = correction_biases[row];
       if (!bias.defined()) continue;
-      at::Tensor c = load[row].to(at::kFloat);
+      at::Tensor c = load[static_cast<int64_t>(row)].to(at::kFloat);
       bias.add_(at::sign(c.mean() - c).to(bias.device()), o.bias_update_rate);
     }
   }
 
-  for (size_t row = 0; row < moe_layer_idx.size(); ++row) {
-    at::Tensor c = load[row].to(at::kLong);
-    LayerLoad ll;
-    ll.layer_idx = moe_layer_idx[row];
-    ll.tokens_per_expert.assign(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-    const double mean = c.to(at::kDouble).mean().item<double>();
-    ll.max_over_mean = mean > 0 ? c.max().item<int64_t>() / mean : 0.0;
-    stats.moe_layers.push_back(std::move(ll));
-  }
+  s.routing.EndStep(&stats);
+  if (o.gpu_cache_experts > 0 && !stats.moe_layers.empty()) s.UpdateCache(step + 1, &stats);
+  const internal::ProcessMemory memory =
+      internal::ReadProcessMemory(s.model.runtime().dense_device);
+  stats.host_rss_bytes = memory.host_rss_bytes;
+  stats.host_peak_bytes = memory.host_peak_bytes;
+  stats.gpu_allocated_bytes = memory.gpu_allocated_bytes;
+  stats.gpu_peak_bytes = memory.gpu_peak_bytes;
   stats.seconds = since(start);
   stats.expert_seconds = experts::ExpertComputeSeconds() - expert_start;
   stats.comm_seconds = parallel::CommunicationWaitSeconds() - comm_start;
@@ -328,6 +382,33 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
           absl::StrCat("logging.metrics_file: cannot open '", o.metrics_file, "' for writing"));
     }
   }
+  std::unique_ptr<TensorBoardWriter> tensorboard;
+  if (rank0 && !o.tensorboard_dir.empty()) {
+    absl::StatusOr<std::unique_ptr<TensorBoardWriter>> w =
+        TensorBoardWriter::Open(o.tensorboard_dir, impl_->first_step + 1);
+    if (!w.ok()) return w.status();
+    tensorboard = *std::move(w);
+  }
+  // The expert map of a step: into its PNG file (and `final` into
+  // expert-map.png) and, given a summary, into TensorBoard.
+  int64_t last_map_step = 0;
+  auto draw_map = [&](const StepStats& st, bool final,
+                      tensorboard::Summary* summary) -> absl::Status {
+    absl::StatusOr<RgbImage> image = DrawExpertMap(StepExpertMap(st));
+    if (!image.ok()) return image.status();
+    absl::StatusOr<std::string> png = EncodePng(*image);
+    if (!png.ok()) return png.status();
+    if (!o.expert_map_dir.empty()) {
+      const std::filesystem::path dir(o.expert_map_dir);
+      absl::Status s =
+          WriteTextFile(dir / absl::StrFormat("expert-map-step-%08d.png", st.step), *png);
+      if (s.ok() && final) s = WriteTextFile(dir / "expert-map.png", *png);
+      if (!s.ok()) return s;
+    }
+    if (summary != nullptr) AddPngImage(summary, "expert_map", *png, image->width, image->height);
+    last_map_step = st.step;
+    return absl::OkStatus();
+  };
   std::vector<StepStats> all;
   double elapsed = 0;
   const int64_t first = impl_->first_step;
@@ -359,11 +440,29 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       m.set_comm_s(st.comm_seconds);
       m.set_optimizer_s(st.optimizer_seconds);
       m.set_pcie_bytes(st.pcie_bytes);
+      m.set_host_rss_bytes(st.host_rss_bytes);
+      m.set_host_peak_bytes(st.host_peak_bytes);
+      m.set_gpu_allocated_bytes(st.gpu_allocated_bytes);
+      m.set_gpu_peak_bytes(st.gpu_peak_bytes);
+      if (o.routing_telemetry) m.set_routing_half_life_steps(o.routing_half_life_steps);
+      if (st.gpu_cache) m.set_gpu_cache_share(st.gpu_cache_share);
       for (const LayerLoad& ll : st.moe_layers) {
         proto::LayerLoad* pl = m.add_moe_layers();
         pl->set_layer(ll.layer_idx);
         for (int64_t c : ll.tokens_per_expert) pl->add_tokens_per_expert(c);
         pl->set_max_over_mean(ll.max_over_mean);
+        pl->set_cv(ll.cv);
+        for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
+        pl->set_router_entropy(ll.router_entropy);
+        for (int64_t x : ll.gpu_experts) pl->add_gpu_experts(static_cast<int32_t>(x));
+        if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
+        if (ll.correction_bias) {
+          proto::Spread* b = pl->mutable_correction_bias();
+          b->set_min(ll.correction_bias->min);
+          b->set_max(ll.correction_bias->max);
+          b->set_mean(ll.correction_bias->mean);
+          b->set_std(ll.correction_bias->std);
+        }
       }
       std::string line;
       google::protobuf::util::JsonPrintOptions jo;
@@ -375,6 +474,19 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       metrics << line << '\n';
       metrics.flush();
     }
+    if (rank0 && (tensorboard != nullptr || o.expert_map_every_steps > 0)) {
+      tensorboard::Summary summary;
+      if (tensorboard != nullptr) summary = StepSummary(st, tok_s);
+      if (o.expert_map_every_steps > 0 && st.step % o.expert_map_every_steps == 0) {
+        absl::Status s =
+            draw_map(st, st.step == o.steps, tensorboard != nullptr ? &summary : nullptr);
+        if (!s.ok()) return s;
+      }
+      if (tensorboard != nullptr) {
+        absl::Status s = tensorboard->Write(st.step, summary);
+        if (!s.ok()) return s;
+      }
+    }
     if (after_step) after_step(st);
     all.push_back(std::move(st));
     if (at_step_end) {
@@ -382,6 +494,15 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       if (!stop.ok()) return stop.status();
       if (*stop) break;
     }
+  }
+  // The map of the last step, as expert-map.png, unless it was drawn as such.
+  if (rank0 && o.expert_map_every_steps > 0 && !all.empty() &&
+      !(last_map_step == all.back().step && all.back().step == o.steps)) {
+    tensorboard::Summary summary;
+    const bool new_image = last_map_step != all.back().step && tensorboard != nullptr;
+    absl::Status s = draw_map(all.back(), /*final=*/true, new_image ? &summary : nullptr);
+    if (s.ok() && new_image) s = tensorboard->Write(all.back().step, summary);
+    if (!s.ok()) return s;
   }
   return all;
 }

@@ -22,11 +22,17 @@
 // aux-loss-free balancing: after each optimizer step every layer's
 // e_score_correction_bias moves by bias_update_rate towards balance, from the
 // per-expert counts of the whole global batch.
+//
+// Routing telemetry (framework/routing_telemetry.h) rides on the same sums:
+// each micro-batch's per-layer counts, probability sums, router entropies and
+// balance-loss sums are summed over ranks in one all-reduce, and every rank
+// derives each MoE layer's figures of the step (LayerLoad) from them.
 #pragma once
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -36,6 +42,7 @@
 #include "framework/data.h"
 #include "framework/model.h"
 #include "parallel/process_groups.h"
+#include "router/routing_stats.h"
 
 namespace moefit::framework {
 
@@ -80,28 +87,70 @@ struct TrainOptions {
   int64_t grad_bucket_bytes = 32 << 20;
   std::string metrics_file;  // JSON Lines; empty = none (written by rank 0)
   int64_t log_every = 1;
+  // Routing telemetry (framework/routing_telemetry.h) in StepStats::moe_layers:
+  // decayed counters with this half-life in steps, imbalance, router entropy,
+  // balance losses, correction-bias spread. Off: tokens per expert and
+  // max/mean only.
+  bool routing_telemetry = true;
+  double routing_half_life_steps = 50;
+  // TensorBoard event files (framework/tensorboard_writer.h, tags in
+  // framework/step_summaries.h) written by rank 0 into this directory; empty =
+  // none.
+  std::string tensorboard_dir;
+  // The expert map (framework/expert_map.h) every this many steps and after
+  // the last step, drawn from the decayed counters (routing_telemetry); 0 =
+  // none. PNG files go to expert_map_dir (expert-map-step-NNNNNNNN.png, and
+  // expert-map.png at the end; empty = no files) and, with tensorboard_dir,
+  // into TensorBoard as the image "expert_map".
+  int64_t expert_map_every_steps = 0;
+  std::string expert_map_dir;
+  // Hot experts on the GPU (the model's ModelRuntime::expert_cache_device):
+  // each process computes up to this many of its experts there, the hottest
+  // by the decayed counters, chosen with hysteresis by
+  // router::HotExpertCachePolicy and reconsidered every
+  // gpu_cache_every_steps steps. 0 = none.
+  int64_t gpu_cache_experts = 0;
+  int64_t gpu_cache_every_steps = 1;
 };
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to lr over
 // warmup_steps, then cosine decay to lr * min_lr_ratio at the last step.
 double ScheduledLr(const TrainOptions& options, int64_t step);
 
+// One MoE layer's routing in a step, over the global batch (the same on every
+// rank). The fields after max_over_mean are filled with
+// TrainOptions::routing_telemetry only.
 struct LayerLoad {
   int64_t layer_idx = 0;
-  std::vector<int64_t> tokens_per_expert;
+  std::vector<int64_t> tokens_per_expert;  // assignments (token, slot) per expert
   double max_over_mean = 0;
+  double cv = 0;  // coefficient of variation of tokens_per_expert
+  // Decayed access counter of each expert after this step
+  // (router::DecayedExpertLoad).
+  std::vector<double> decayed_load;
+  double router_entropy = 0;  // mean over the step's tokens, nats
+  // The layer's own balance loss (unscaled, mean over micro-batches): the
+  // Switch loss of its softmax router, or the sequence-wise loss of a sigmoid
+  // router with aux_loss_alpha > 0; none otherwise.
+  std::optional<double> balance_loss;
+  // Spread of the layer's e_score_correction_bias after the step's update
+  // (routers that have one).
+  std::optional<router::Spread> correction_bias;
+  // With the hot-expert cache: the experts (global ids) computed on a
+  // process's GPU during this step, by any process.
+  std::vector<int64_t> gpu_experts;
 };
 
 struct StepStats {
   int64_t step = 0;  // 1-based, as printed
-  double loss = 0;       // cross entropy per trained token
+  double loss = 0;   // cross entropy per trained token
   // Balance loss (unscaled), mean over micro-batches: the Switch loss of
   // softmax routers, or the sequence-wise loss of sigmoid routers (when
   // aux_loss_alpha > 0).
   double aux_loss = 0;
   double lr = 0;
-  double grad_norm = 0;  // before clipping
-  int64_t tokens = 0;    // tokens processed in the step
+  double grad_norm = 0;       // before clipping
+  int64_t tokens = 0;         // tokens processed in the step
   double seconds = 0;         // wall clock of the step
   double expert_seconds = 0;  // of which in the expert backends
   double comm_seconds = 0;    // of which blocked in collectives
@@ -109,7 +158,19 @@ struct StepStats {
   // clipping, and the optimizer step (its collectives' waits are also in
   // comm_seconds).
   double optimizer_seconds = 0;
-  int64_t pcie_bytes = 0;     // activations copied between GPU and host, both ways
+  int64_t pcie_bytes = 0;  // activations copied between GPU and host, both ways
+  // This process's resident host memory at the end of the step, and its peak
+  // so far (VmRSS, VmHWM); the dense GPU's memory held by LibTorch's caching
+  // allocator now and at its peak (0 without a GPU).
+  int64_t host_rss_bytes = 0;
+  int64_t host_peak_bytes = 0;
+  int64_t gpu_allocated_bytes = 0;
+  int64_t gpu_peak_bytes = 0;
+  // With the hot-expert cache (gpu_cache): of the rows (token, expert) all
+  // processes' experts computed in the step, the share computed on their
+  // GPUs.
+  bool gpu_cache = false;
+  double gpu_cache_share = 0;
   std::vector<LayerLoad> moe_layers;
 };
 

@@ -1119,6 +1119,37 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   }
   run.train.metrics_file = c.logging().metrics_file();
   run.train.log_every = c.logging().log_every();
+  const proto::LoggingConfig& lg = c.logging();
+  run.train.routing_telemetry = !lg.has_routing_telemetry() || lg.routing_telemetry();
+  if (lg.has_routing_half_life_steps()) {
+    if (!(lg.routing_half_life_steps() > 0)) {
+      return Invalid(absl::StrCat(
+          "logging.routing_half_life_steps = ", lg.routing_half_life_steps(), " must be positive"));
+    }
+    run.train.routing_half_life_steps = lg.routing_half_life_steps();
+  }
+  run.train.tensorboard_dir = lg.tensorboard_dir();
+  if (lg.expert_map_every_steps() < 0) {
+    return Invalid(absl::StrCat("logging.expert_map_every_steps = ", lg.expert_map_every_steps(),
+                                " must be >= 0"));
+  }
+  if (lg.expert_map_every_steps() > 0) {
+    if (!run.train.routing_telemetry) {
+      return Invalid(
+          "logging.expert_map_every_steps draws the decayed counters of "
+          "logging.routing_telemetry, which is off");
+    }
+    if (run.train.metrics_file.empty() && run.train.tensorboard_dir.empty()) {
+      return Invalid(
+          "logging.expert_map_every_steps writes the map beside logging.metrics_file or into "
+          "logging.tensorboard_dir, and neither is set");
+    }
+    run.train.expert_map_every_steps = lg.expert_map_every_steps();
+    if (!run.train.metrics_file.empty()) {
+      const std::filesystem::path dir = std::filesystem::path(run.train.metrics_file).parent_path();
+      run.train.expert_map_dir = dir.empty() ? "." : dir.string();
+    }
+  }
 
   const proto::ExpertsConfig& e = c.experts();
   const std::vector<std::string> backends = experts::ExpertBackendNames();
@@ -1159,6 +1190,23 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 " must be between 0 and 1048576 (GiB; 0: pack on every call)"));
   }
   run.runtime.expert_packed_bytes = static_cast<int64_t>(e.packed_weight_gb() * (int64_t{1} << 30));
+  if (e.gpu_cache_experts() < 0) {
+    return Invalid(
+        absl::StrCat("experts.gpu_cache_experts = ", e.gpu_cache_experts(), " must be >= 0"));
+  }
+  if (e.gpu_cache_experts() > 0) {
+    if (!run.train.routing_telemetry) {
+      return Invalid(
+          "experts.gpu_cache_experts chooses experts by the decayed counters of "
+          "logging.routing_telemetry, which is off");
+    }
+    const int64_t every = e.has_gpu_cache_every_steps() ? e.gpu_cache_every_steps() : 1;
+    if (every < 1) {
+      return Invalid(absl::StrCat("experts.gpu_cache_every_steps = ", every, " must be >= 1"));
+    }
+    run.train.gpu_cache_experts = e.gpu_cache_experts();
+    run.train.gpu_cache_every_steps = every;
+  }
 
   const std::string& dev = c.parallel().device();
   if (dev == "auto") {
@@ -1173,6 +1221,13 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     run.runtime.dense_device = c10::Device(c10::kCUDA);
   } else {
     return Invalid(absl::StrCat("parallel.device = '", dev, "' must be auto, cpu or cuda"));
+  }
+  if (run.train.gpu_cache_experts > 0 && !run.runtime.dense_device.is_cuda()) {
+    return Invalid(absl::StrCat("experts.gpu_cache_experts = ", run.train.gpu_cache_experts,
+                                " computes hot experts on the process's GPU, and this run has none "
+                                "(parallel.device = '",
+                                dev, "'", dev == "auto" ? ", and LibTorch sees no CUDA device" : "",
+                                ")"));
   }
 
   if (c.parallel().ep_size() < 0) {

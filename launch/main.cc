@@ -30,11 +30,13 @@
 #include "google/protobuf/text_format.h"
 #include "launch/config.h"
 #include "launch/eval_command.h"
+#include "launch/expert_map_command.h"
 #include "launch/export_command.h"
 #include "launch/inspect_command.h"
 #include "launch/merge_command.h"
 #include "launch/plan_command.h"
 #include "launch/reshard_command.h"
+#include "launch/routing_report_command.h"
 #include "launch/startup_check.h"
 #include "launch/train_command.h"
 #include "parallel/dispatcher.h"
@@ -50,7 +52,8 @@ ABSL_FLAG(bool, print_config, false,
           "print the resolved config (text format, after --set and config_json) and exit");
 ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to evaluate");
 ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
-ABSL_FLAG(std::string, input_ids, "", "eval: safetensors file holding \"input_ids\" [batch, tokens]");
+ABSL_FLAG(std::string, input_ids, "",
+          "eval: safetensors file holding \"input_ids\" [batch, tokens]");
 ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export, merge: largest shard in bytes");
 ABSL_FLAG(std::string, save_dtype, "",
           "export, merge: dtype of the written weights (float32, bfloat16)");
@@ -62,11 +65,26 @@ ABSL_FLAG(int64_t, gpus_per_node, 0, "plan: GPUs per node");
 ABSL_FLAG(double, gpu_gb, 0, "plan: memory per GPU, GiB");
 ABSL_FLAG(std::string, mode, "full", "plan: full (train every weight) or lora (adapters only)");
 ABSL_FLAG(int64_t, lora_rank, 16, "plan: LoRA rank");
-ABSL_FLAG(std::string, expert_dtype, "bf16", "plan: routed experts' dtype: fp32, bf16 or fp8");
+ABSL_FLAG(std::string, expert_dtype, "bf16",
+          "plan: routed experts' dtype: fp32, bf16, fp8 or int4");
+ABSL_FLAG(int64_t, int4_group_size, 0,
+          "plan: int4 experts' inputs per scale (0: the model config's quantization_config, "
+          "else 32)");
+ABSL_FLAG(double, packed_weight_gb, 2,
+          "plan: GiB of expert packs each process keeps (experts.packed_weight_gb)");
+ABSL_FLAG(std::string, cpu_isa, "amx_bf16",
+          "plan: the nodes' expert kernels: avx2, avx512, avx512_bf16 or amx_bf16");
 ABSL_FLAG(int64_t, seq_len, 4096, "plan: tokens per sequence");
 ABSL_FLAG(int64_t, micro_batch, 1, "plan: sequences per GPU per micro-batch");
 ABSL_FLAG(bool, json, false, "plan: print one JSON object instead of text");
 ABSL_FLAG(int32_t, ep, 0, "reshard: expert-parallel ranks of the output");
+ABSL_FLAG(int64_t, sequences, 256, "routing-report: sequences per data source, at most");
+ABSL_FLAG(int64_t, bootstrap, 1000, "routing-report: bootstrap resamples");
+ABSL_FLAG(double, confidence, 0.95, "routing-report: confidence of the intervals");
+ABSL_FLAG(int64_t, top, 5, "routing-report: experts listed per source");
+ABSL_FLAG(std::string, json_out, "", "routing-report: write every figure to this JSON file");
+ABSL_FLAG(int64_t, step, 0, "expert-map: the step to draw (0 = the last in the metrics file)");
+ABSL_FLAG(std::string, out, "", "expert-map: the PNG file to write (default: beside the metrics)");
 
 namespace moefit::launch {
 namespace {
@@ -119,18 +137,37 @@ std::string Usage() {
          "      as saved by M expert-parallel ranks, without building the model; under mpirun\n"
          "      the processes share the expert files.\n"
          "  plan --model CONFIG_JSON --nodes N --ram-gb R --gpus-per-node G --gpu-gb M\n"
-         "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8]\n"
+         "       [--mode full|lora] [--lora-rank r] [--expert-dtype fp32|bf16|fp8|int4]\n"
+         "       [--int4-group-size G4] [--packed-weight-gb P] [--cpu-isa ISA]\n"
          "       [--seq-len T] [--micro-batch B] [--json]\n"
          "      Whether the model of an HF config.json trains on N nodes of R GiB RAM and\n"
          "      G GPUs of M GiB each (experts in host RAM, num_experts/N per node; the dense\n"
          "      part replicated on every GPU, B x T tokens each), without building it: host\n"
-         "      RAM per node (expert weights, gradients, AdamW m and v, LoRA adapters,\n"
-         "      activations: T*B*G*top_k rows x MoE layers x (hidden + 2*moe_intermediate)\n"
-         "      elements), memory per GPU, all-to-all bytes per node and micro-batch\n"
-         "      (4 x MoE layers x (N-1)/N x rows x hidden elements), total and active\n"
-         "      parameters, the smallest node count that fits, and its assumptions.\n"
-         "      Defaults: full, rank 16, bf16, T 4096, B 1. fp8 experts need --mode lora.\n"
+         "      RAM per node (expert weights, gradients, AdamW m and v, LoRA adapters, the\n"
+         "      expert kernels' kept packs: up to P GiB for each of the G processes, sized\n"
+         "      for ISA's kernels; activations: T*B*G*top_k rows x MoE layers x\n"
+         "      (hidden + 2*moe_intermediate) elements), memory per GPU, all-to-all bytes\n"
+         "      per node and micro-batch (4 x MoE layers x (N-1)/N x rows x hidden\n"
+         "      elements), total and active parameters, the smallest node count that fits,\n"
+         "      and its assumptions. Defaults: full, rank 16, bf16, P 2, amx_bf16, T 4096,\n"
+         "      B 1. fp8 and int4 experts need --mode lora; int4 has a bf16 scale per G4\n"
+         "      inputs (default: the config's quantization_config, else 32).\n"
          "      Exit 0 fits, 3 does not fit, 2 bad input.\n"
+         "  routing-report [CONFIG] --data A --data B ... [--set FIELD=VALUE]...\n"
+         "       [--sequences N] [--bootstrap B] [--confidence C] [--top K] [--json-out FILE]\n"
+         "      Which experts each data source uses (A, B: .jsonl of {\"input_ids\": [...]}, a\n"
+         "      sequence per line, or text through the byte tokenizer): each expert's share of\n"
+         "      a source's tokens with bootstrap intervals over its sequences, against a control\n"
+         "      (the same tokens shuffled within each sequence); the experts that take more of\n"
+         "      a source than of every other, measured. Defaults: 256 sequences, 1000\n"
+         "      resamples, 95%, top 5.\n"
+         "  expert-map RUN_DIR [--step N] [--out FILE.png]\n"
+         "      Draw the expert map of a run again from its metrics file (RUN_DIR: the file,\n"
+         "      or the directory holding it): MoE layers x experts, each expert coloured by\n"
+         "      its decayed load relative to its layer's mean (blue below, white at, red\n"
+         "      above, up to 8x), the hot experts (2x the mean) outlined, as training draws\n"
+         "      it with logging.expert_map_every_steps. Default: the last step, written to\n"
+         "      expert-map.png beside the metrics file.\n"
          "  help      this text\n"
          "  version   print the version\n"
          "\n"
@@ -183,6 +220,7 @@ int Fail(const absl::Status& s) {
 
 struct Args {
   std::vector<std::string> sets;
+  std::vector<std::string> data;  // routing-report's repeated --data
   std::vector<std::string> positional;
   bool help = false;
 };
@@ -204,12 +242,21 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
       out->sets.push_back(argv[++i]);
     } else if (absl::StartsWith(a, "--set=") && allowed.count("set")) {
       out->sets.push_back(a.substr(6));
+    } else if (a == "--data" && allowed.count("data")) {
+      if (i + 1 >= argc) {
+        std::cerr << "moefit: --data needs FILE" << std::endl;
+        return false;
+      }
+      out->data.push_back(argv[++i]);
+    } else if (absl::StartsWith(a, "--data=") && allowed.count("data")) {
+      out->data.push_back(a.substr(7));
     } else if (absl::StartsWith(a, "-") && a != "-") {
       const size_t dashes = a.find_first_not_of('-');
       const size_t eq = a.find('=');
-      std::string name = absl::StrReplaceAll(a.substr(dashes, eq == std::string::npos ? eq : eq - dashes),
-                                             {{"-", "_"}});
-      const std::string base = absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
+      std::string name = absl::StrReplaceAll(
+          a.substr(dashes, eq == std::string::npos ? eq : eq - dashes), {{"-", "_"}});
+      const std::string base =
+          absl::StartsWith(name, "no") && !allowed.count(name) ? name.substr(2) : name;
       if (!allowed.count(base) || absl::FindCommandLineFlag(base) == nullptr) {
         std::cerr << "moefit: unknown flag '" << a << "' for " << argv[1] << " (see moefit --help)"
                   << std::endl;
@@ -222,7 +269,8 @@ bool ParseArgs(int argc, char** argv, const std::set<std::string>& allowed, Args
   }
   std::vector<char*> rest;
   for (std::string& s : rest_storage) rest.push_back(s.data());
-  std::vector<char*> positional = absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
+  std::vector<char*> positional =
+      absl::ParseCommandLine(static_cast<int>(rest.size()), rest.data());
   for (size_t i = 1; i < positional.size(); ++i) out->positional.emplace_back(positional[i]);
   return true;
 }
@@ -339,8 +387,28 @@ int PlanCommand(const Args& args) {
     in.expert_dtype = PlanDtype::kBf16;
   } else if (dtype == "fp8") {
     in.expert_dtype = PlanDtype::kFp8;
+  } else if (dtype == "int4") {
+    in.expert_dtype = PlanDtype::kInt4;
   } else {
-    std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16 or fp8"
+    std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16, fp8 or int4"
+              << std::endl;
+    return kExitBadInput;
+  }
+  if (const int64_t group = absl::GetFlag(FLAGS_int4_group_size); group != 0) {
+    in.int4_group_size = group;
+  }
+  in.packed_weight_gib = absl::GetFlag(FLAGS_packed_weight_gb);
+  const std::string isa = absl::GetFlag(FLAGS_cpu_isa);
+  if (isa == "avx2") {
+    in.cpu_isa = PlanIsa::kAvx2;
+  } else if (isa == "avx512") {
+    in.cpu_isa = PlanIsa::kAvx512;
+  } else if (isa == "avx512_bf16") {
+    in.cpu_isa = PlanIsa::kAvx512Bf16;
+  } else if (isa == "amx_bf16") {
+    in.cpu_isa = PlanIsa::kAmxBf16;
+  } else {
+    std::cerr << "moefit: --cpu-isa = '" << isa << "' must be avx2, avx512, avx512_bf16 or amx_bf16"
               << std::endl;
     return kExitBadInput;
   }
@@ -392,9 +460,12 @@ int Main(int argc, char** argv) {
       {"export", {"max_shard_bytes", "save_dtype"}},
       {"merge", {"max_shard_bytes", "save_dtype"}},
       {"reshard", {"ep"}},
+      {"expert-map", {"step", "out"}},
+      {"routing-report",
+       {"set", "print_config", "data", "sequences", "bootstrap", "confidence", "top", "json_out"}},
       {"plan",
        {"model", "nodes", "ram_gb", "gpus_per_node", "gpu_gb", "mode", "lora_rank", "expert_dtype",
-        "seq_len", "micro_batch", "json"}},
+        "int4_group_size", "packed_weight_gb", "cpu_isa", "seq_len", "micro_batch", "json"}},
   };
   auto it = flags.find(cmd);
   if (it == flags.end()) {
@@ -408,6 +479,27 @@ int Main(int argc, char** argv) {
     return kExitOk;
   }
 
+  if (cmd == "routing-report") {
+    std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
+    if (const int* rc = std::get_if<int>(&loaded)) return *rc;
+    const RunConfig& run = std::get<RunConfig>(loaded);
+    parallel::ConfigureWatchdog({.timeout = absl::Seconds(run.timeout_s),
+                                 .startup_timeout = absl::Seconds(run.startup_timeout_s)});
+    RoutingReportOptions report;
+    report.data = args.data;
+    report.num_sequences = absl::GetFlag(FLAGS_sequences);
+    report.num_resamples = absl::GetFlag(FLAGS_bootstrap);
+    report.confidence = absl::GetFlag(FLAGS_confidence);
+    report.top = absl::GetFlag(FLAGS_top);
+    report.json_out = absl::GetFlag(FLAGS_json_out);
+    return RunCollective(
+        &argc, &argv,
+        [&](auto world) {
+          MOEFIT_RETURN_IF_ERROR(CheckStartupConsistency(run, MOEFIT_VERSION, *world));
+          return RunRoutingReport(run, report, world, std::cout);
+        },
+        run.progress_thread_us);
+  }
   if (cmd == "train" || cmd == "eval") {
     std::variant<RunConfig, int> loaded = LoadRun(args, cmd.c_str());
     if (const int* rc = std::get_if<int>(&loaded)) return *rc;
@@ -442,6 +534,17 @@ int Main(int argc, char** argv) {
     return s.ok() ? kExitOk : Fail(s);
   }
   if (cmd == "plan") return PlanCommand(args);
+  if (cmd == "expert-map") {
+    if (args.positional.size() != 1 || absl::GetFlag(FLAGS_step) < 0) {
+      std::cerr << "moefit: usage: moefit expert-map RUN_DIR [--step N] [--out FILE.png]"
+                << std::endl;
+      return kExitBadInput;
+    }
+    absl::Status s = RunExpertMapCommand(
+        args.positional[0], {.step = absl::GetFlag(FLAGS_step), .out = absl::GetFlag(FLAGS_out)},
+        std::cout);
+    return s.ok() ? kExitOk : Fail(s);
+  }
   if (cmd == "reshard") {
     if (args.positional.size() != 2 || absl::GetFlag(FLAGS_ep) < 1) {
       std::cerr << "moefit: usage: moefit reshard IN_DIR OUT_DIR --ep M (M >= 1)" << std::endl;
@@ -468,7 +571,8 @@ int Main(int argc, char** argv) {
   } else if (dtype == "float32") {
     options.dtype = at::kFloat;
   } else if (!dtype.empty()) {
-    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16" << std::endl;
+    std::cerr << "moefit: --save_dtype = '" << dtype << "' must be float32 or bfloat16"
+              << std::endl;
     return kExitBadInput;
   }
   if (options.max_shard_bytes <= 0) {

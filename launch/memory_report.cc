@@ -112,4 +112,56 @@ void LogMemoryBreakdown(const MemoryBreakdown& mine, parallel::Communicator& wor
       << " ranks: " << FormatMemoryBreakdown(most, micro_batch, seq_len) << std::endl;
 }
 
+ExpertMemory ComputeExpertMemory(const framework::MoeModel& model) {
+  ExpertMemory m;
+  for (const framework::Parameter& p : model.parameters()) {
+    if (p.expert) m.tensor_bytes += static_cast<int64_t>(p.tensor.nbytes());
+  }
+  for (const at::Tensor& t : model.expert_copies())
+    m.tensor_bytes += static_cast<int64_t>(t.nbytes());
+  m.pack_bytes = model.expert_pack_bytes();
+  const framework::ModelOptions& o = model.options();
+  int64_t num_moe_layers = 0;
+  for (int64_t l = 0; l < o.num_hidden_layers; ++l) num_moe_layers += o.IsMoeLayer(l) ? 1 : 0;
+  const int ep_rank = model.runtime().expert_group ? model.runtime().expert_group->rank() : 0;
+  m.num_params = model.placement().num_local(ep_rank) * num_moe_layers * 3 * o.hidden_size *
+                 o.moe_intermediate_size;
+  return m;
+}
+
+namespace {
+
+std::string FormatEndMemory(int64_t peak_rss, const ExpertMemory& e) {
+  std::string out =
+      absl::StrCat("peak RSS ", peak_rss > 0 ? Size(peak_rss) : "unknown", "; routed experts ",
+                   Size(e.tensor_bytes), " + ", Size(e.pack_bytes), " kept packs for ",
+                   e.num_params, " parameters");
+  if (e.num_params > 0) {
+    const auto per = [&](int64_t bytes) {
+      return static_cast<double>(bytes) / static_cast<double>(e.num_params);
+    };
+    absl::StrAppendFormat(&out, " (%.4f + %.4f bytes each)", per(e.tensor_bytes),
+                          per(e.pack_bytes));
+  }
+  return out;
+}
+
+}  // namespace
+
+void LogEndMemory(const framework::MoeModel& model, parallel::Communicator& world,
+                  std::ostream& log) {
+  const ExpertMemory mine = ComputeExpertMemory(model);
+  absl::StatusOr<int64_t> peak = PeakRssBytes();
+  const int64_t peak_rss = peak.ok() ? *peak : 0;
+  log << "moefit: memory at the end, rank 0: " << FormatEndMemory(peak_rss, mine) << std::endl;
+  if (world.size() == 1) return;
+  at::Tensor v =
+      at::tensor({peak_rss, mine.tensor_bytes, mine.pack_bytes, mine.num_params}, at::kLong);
+  world.AllReduce(v, parallel::ReduceOp::kMax)->WaitOrThrow();
+  const int64_t* p = v.data_ptr<int64_t>();
+  log << "moefit: memory at the end, largest over " << world.size() << " ranks: "
+      << FormatEndMemory(p[0], {.tensor_bytes = p[1], .pack_bytes = p[2], .num_params = p[3]})
+      << std::endl;
+}
+
 }  // namespace moefit::launch

@@ -75,4 +75,25 @@ std::string FormatMemoryBreakdown(const MemoryBreakdown& m, int64_t micro_batch,
 void LogMemoryBreakdown(const MemoryBreakdown& mine, parallel::Communicator& world,
                         int64_t micro_batch, int64_t seq_len, std::ostream& log);
 
+// What one rank's routed experts hold, to judge a weight format by: their
+// tensors (weights; FP8 and int4 scales and zero points; compute copies of
+// float32 masters; not their LoRA adapters, which are trainable state like
+// any other), the expert kernels' kept packs of them, and the expert
+// parameters they stand for (3 x hidden x moe_intermediate per expert and
+// MoE layer on this rank, whatever the storage).
+struct ExpertMemory {
+  int64_t tensor_bytes = 0;
+  int64_t pack_bytes = 0;  // MoeModel::expert_pack_bytes() now
+  int64_t num_params = 0;
+};
+
+ExpertMemory ComputeExpertMemory(const framework::MoeModel& model);
+
+// Collective over `world`, after training: writes to `log` rank 0's peak RSS
+// (VmHWM) and ExpertMemory with the bytes per expert parameter, and with more
+// than one rank the largest of each figure over the ranks. Call it on every
+// rank; only rank 0's `log` should print.
+void LogEndMemory(const framework::MoeModel& model, parallel::Communicator& world,
+                  std::ostream& log);
+
 }  // namespace moefit::launch

@@ -29,6 +29,13 @@ constexpr int64_t kBf16Bytes = 2;
 // FP8 checkpoints (DeepSeek-V3, Kimi-K2) carry one fp32 scale per block of
 // kFp8Block x kFp8Block weights.
 constexpr int64_t kFp8Block = 128;
+// int4 checkpoints (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
+// Kimi-K2.5) store eight 4-bit weights per 32-bit word, rows padded to whole
+// words, and a bf16 scale per group of inputs: kInt4Group unless the model's
+// quantization_config or --int4-group-size says otherwise.
+constexpr int64_t kInt4PerWord = 8;
+constexpr int64_t kInt4WordBytes = 4;
+constexpr int64_t kInt4Group = 32;
 // AdamW keeps two states, m and v, per trained weight.
 constexpr int64_t kAdamStates = 2;
 // A LoRA parameter is trained in fp32: weight, gradient, m and v.
@@ -50,17 +57,35 @@ const char* DtypeName(PlanDtype d) {
       return "bf16";
     case PlanDtype::kFp8:
       return "fp8";
+    case PlanDtype::kInt4:
+      return "int4";
   }
   return "?";
 }
 
-// Bytes per stored routed-expert weight (fp8's block scales come on top).
+const char* IsaName(PlanIsa isa) {
+  switch (isa) {
+    case PlanIsa::kAvx2:
+      return "avx2";
+    case PlanIsa::kAvx512:
+      return "avx512";
+    case PlanIsa::kAvx512Bf16:
+      return "avx512_bf16";
+    case PlanIsa::kAmxBf16:
+      return "amx_bf16";
+  }
+  return "?";
+}
+
+// Bytes per stored routed-expert weight of the byte-sized dtypes (fp8's
+// block scales come on top; int4 is sized by Int4MatrixBytes).
 int64_t WeightBytes(PlanDtype d) {
   return d == PlanDtype::kFp32 ? kFp32Bytes : d == PlanDtype::kBf16 ? kBf16Bytes : 1;
 }
 
 // Bytes per element of the rows the experts compute on (and the all-to-all
-// carries): the experts' compute dtype, bf16 for fp8 weights (dequantized per tile).
+// carries): the experts' compute dtype, bf16 for fp8 and int4 weights
+// (dequantized per tile).
 int64_t ExpertActivationBytes(PlanDtype d) {
   return d == PlanDtype::kFp32 ? kFp32Bytes : kBf16Bytes;
 }
@@ -71,13 +96,81 @@ int64_t ExpertsOnLargestNode(int64_t num_experts, int64_t nodes) {
   return CeilDiv(num_experts, nodes);
 }
 
+// An int4 matrix [rows, cols] as moefit holds it (compressed-tensors'
+// layout): each row's cols weights in ceil(cols / 8) 32-bit words, a bf16
+// scale per group of `group` inputs, and for asymmetric schemes an int8 zero
+// point per group.
+int64_t Int4MatrixBytes(int64_t rows, int64_t cols, int64_t group, bool zero_points) {
+  const int64_t per_group = kBf16Bytes + (zero_points ? 1 : 0);
+  return rows * (CeilDiv(cols, kInt4PerWord) * kInt4WordBytes + CeilDiv(cols, group) * per_group);
+}
+
+// The group size int4 experts are planned with: --int4-group-size, else the
+// model's compressed-tensors quantization_config, else kInt4Group.
+int64_t Int4GroupSize(const ModelOptions& o, const PlanInputs& in) {
+  if (in.int4_group_size) return *in.int4_group_size;
+  return o.int4_weights ? o.int4_weights->group_size : kInt4Group;
+}
+
+// Whether int4 experts carry an int8 zero point per group (an asymmetric
+// quantization_config); symmetric unless the model says otherwise.
+bool Int4ZeroPoints(const ModelOptions& o) { return o.int4_weights && !o.int4_weights->symmetric; }
+
 // One routed expert's stored bytes: gate and up [I, H] and down [H, I], so
-// 3 * H * I weights, plus for fp8 an fp32 scale per 128x128 block of each.
-int64_t ExpertBytes(const ModelOptions& o, PlanDtype d) {
+// 3 * H * I weights, plus for fp8 an fp32 scale per 128x128 block of each,
+// for int4 half a byte per weight and a bf16 scale (and for asymmetric
+// schemes an int8 zero point) per group of inputs.
+int64_t ExpertBytes(const ModelOptions& o, PlanDtype d, int64_t int4_group) {
   const int64_t h = o.hidden_size, i = o.moe_intermediate_size;
+  if (d == PlanDtype::kInt4) {
+    const bool zero_points = Int4ZeroPoints(o);
+    return 2 * Int4MatrixBytes(i, h, int4_group, zero_points) +
+           Int4MatrixBytes(h, i, int4_group, zero_points);
+  }
   int64_t bytes = 3 * h * i * WeightBytes(d);
   if (d == PlanDtype::kFp8) bytes += 3 * CeilDiv(i, kFp8Block) * CeilDiv(h, kFp8Block) * kFp32Bytes;
   return bytes;
+}
+
+// Bytes per element of a kept pack of a weight [k x n] read by the kernels
+// (experts/kernels/gemm.h, PackedB): float32 panels, except where the
+// kernels multiply bfloat16 pairs, which keep bf16 and int4 weights as
+// bfloat16 and FP8 ones as their bytes (when n is a multiple of 32 and k even).
+int64_t PackBytesPerWeight(PlanDtype d, PlanIsa isa, int64_t k, int64_t n) {
+  const bool pairs = isa == PlanIsa::kAvx512Bf16 || isa == PlanIsa::kAmxBf16;
+  if (!pairs || d == PlanDtype::kFp32) return kFp32Bytes;
+  if (d == PlanDtype::kFp8 && n % 32 == 0 && k % 2 == 0) return 1;
+  return kBf16Bytes;
+}
+
+// Bytes of packs one process's expert kernels keep (experts/packed_weights.h)
+// of its frozen weights, `experts` routed experts in each MoE layer. A
+// weight is packed whole (all its experts) in one orientation from its second
+// step on, if it fits what is left of the budget: in the order of a step,
+// each layer's gate|up and down as the forward reads them (Wᵀ), then, in
+// backward, each layer's gate|up and down again as dX reads them (W).
+// Trained weights are packed per call without recomputation, so full
+// fine-tuning keeps none.
+int64_t ExpertPacksPerProcess(const ModelOptions& o, const PlanInputs& in, int64_t experts,
+                              int64_t num_moe_layers) {
+  if (in.mode == PlanMode::kFull) return 0;
+  const int64_t budget = std::llround(in.packed_weight_gib * static_cast<double>(kGiB));
+  const int64_t h = o.hidden_size, i2 = 2 * o.moe_intermediate_size, i = o.moe_intermediate_size;
+  auto pack = [&](int64_t k, int64_t n) {
+    return experts * k * n * PackBytesPerWeight(in.expert_dtype, in.cpu_isa, k, n);
+  };
+  // Per layer: gate|up and down, forward (k = inputs of the GEMM) then backward.
+  const int64_t forward[] = {pack(h, i2), pack(i, h)};
+  const int64_t backward[] = {pack(i2, h), pack(h, i)};
+  int64_t kept = 0;
+  for (const int64_t* step : {forward, backward}) {
+    for (int64_t l = 0; l < num_moe_layers; ++l) {
+      for (int w = 0; w < 2; ++w) {
+        if (kept + step[w] <= budget) kept += step[w];
+      }
+    }
+  }
+  return kept;
 }
 
 // A linear layer y = W x with W [out, in].
@@ -173,8 +266,9 @@ NodeMemory NodeMemoryAt(const ModelOptions& o, const framework::ParameterCounts&
                         const PlanInputs& in, int64_t nodes, int64_t rows) {
   NodeMemory m;
   m.experts_per_layer = ExpertsOnLargestNode(o.num_experts, nodes);
+  m.experts_per_process = CeilDiv(m.experts_per_layer, in.gpus_per_node);
   const int64_t slots = m.experts_per_layer * c.num_moe_layers;  // expert copies on the node
-  m.expert_weights = slots * ExpertBytes(o, in.expert_dtype);
+  m.expert_weights = slots * ExpertBytes(o, in.expert_dtype, Int4GroupSize(o, in));
   if (in.mode == PlanMode::kFull) {
     // As moefit trains them: gradients and AdamW states in float32, and
     // bfloat16 experts beside their float32 master weights (fp8 never trains).
@@ -185,12 +279,15 @@ NodeMemory NodeMemoryAt(const ModelOptions& o, const framework::ParameterCounts&
   } else {
     m.lora = slots * LoraParamsPerExpert(o, in.lora_rank) * kLoraBytesPerParam;
   }
+  // Each of the node's processes (one per GPU) keeps packs of its share.
+  m.expert_packs =
+      in.gpus_per_node * ExpertPacksPerProcess(o, in, m.experts_per_process, c.num_moe_layers);
   // Per MoE layer each row keeps its input (H) and its gate/up outputs (2I).
   m.activations = c.num_moe_layers * rows * (o.hidden_size + 2 * o.moe_intermediate_size) *
                   ExpertActivationBytes(in.expert_dtype);
   m.reserve = kRamReserveGiB * kGiB;
-  m.total =
-      m.expert_weights + m.expert_grads + m.expert_optimizer + m.lora + m.activations + m.reserve;
+  m.total = m.expert_weights + m.expert_grads + m.expert_optimizer + m.lora + m.expert_packs +
+            m.activations + m.reserve;
   return m;
 }
 
@@ -269,7 +366,10 @@ nlohmann::json ToJson(const std::string& path, const ModelOptions& o, const Plan
                  {"lora_rank", in.lora_rank},
                  {"expert_dtype", DtypeName(in.expert_dtype)},
                  {"seq_len", in.seq_len},
-                 {"micro_batch", in.micro_batch}};
+                 {"micro_batch", in.micro_batch},
+                 {"packed_weight_gb", in.packed_weight_gib},
+                 {"cpu_isa", IsaName(in.cpu_isa)}};
+  if (in.expert_dtype == PlanDtype::kInt4) j["inputs"]["int4_group_size"] = p.int4_group_size;
   j["parameters"] = {{"total", p.params.total},
                      {"active", p.params.active},
                      {"routed_experts", p.params.routed_experts},
@@ -285,10 +385,12 @@ nlohmann::json ToJson(const std::string& path, const ModelOptions& o, const Plan
   j["tokens_per_node"] = p.tokens_per_node;
   j["rows_per_node"] = p.rows_per_node;
   j["ram_per_node"] = {{"experts_per_layer", p.ram.experts_per_layer},
+                       {"experts_per_process", p.ram.experts_per_process},
                        {"expert_weights", p.ram.expert_weights},
                        {"expert_grads", p.ram.expert_grads},
                        {"expert_optimizer", p.ram.expert_optimizer},
                        {"lora", p.ram.lora},
+                       {"expert_packs", p.ram.expert_packs},
                        {"activations", p.ram.activations},
                        {"reserve", p.ram.reserve},
                        {"total", p.ram.total},
@@ -335,13 +437,23 @@ void PrintText(const std::string& path, const ModelOptions& o, const PlanInputs&
                                       " experts of each MoE layer)"),
                          "GiB");
   const bool masters = full && in.expert_dtype != PlanDtype::kFp32;
-  out << Line(absl::StrCat("routed expert weights (", dtype, masters ? " + fp32 masters" : "", ")"),
-              p.ram.expert_weights);
+  std::string stored = dtype;
+  if (masters) stored += " + fp32 masters";
+  if (in.expert_dtype == PlanDtype::kFp8) stored += " + fp32 scale per 128x128";
+  if (in.expert_dtype == PlanDtype::kInt4) {
+    stored += absl::StrCat(" + bf16 scale", Int4ZeroPoints(o) ? " and int8 zero point" : "",
+                           " per ", p.int4_group_size, " inputs");
+  }
+  out << Line(absl::StrCat("routed expert weights (", stored, ")"), p.ram.expert_weights);
   if (full) {
     out << Line("  their gradients (fp32)", p.ram.expert_grads);
     out << Line("  their AdamW m and v (fp32)", p.ram.expert_optimizer);
   } else {
     out << Line("LoRA adapters on the experts (fp32 weights, grads, m, v)", p.ram.lora);
+    out << Line(
+        absl::StrFormat("kernels' kept packs (%d x %d experts, %s, %g GiB)", in.gpus_per_node,
+                        p.ram.experts_per_process, IsaName(in.cpu_isa), in.packed_weight_gib),
+        p.ram.expert_packs);
   }
   out << Line(absl::StrFormat("expert activations for backward (%d rows x %d layers)",
                               p.rows_per_node, c.num_moe_layers),
@@ -441,6 +553,18 @@ absl::Status CheckPlanInputs(const PlanInputs& in) {
     return absl::InvalidArgumentError(
         "--expert-dtype fp8 needs --mode lora: FP8 expert weights can only be frozen");
   }
+  if (in.expert_dtype == PlanDtype::kInt4 && in.mode == PlanMode::kFull) {
+    return absl::InvalidArgumentError(
+        "--expert-dtype int4 needs --mode lora: int4 expert weights can only be frozen");
+  }
+  if (in.int4_group_size && !(*in.int4_group_size > 0 && *in.int4_group_size <= 65536)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--int4-group-size = ", *in.int4_group_size, " must be between 1 and 65536"));
+  }
+  if (!(in.packed_weight_gib >= 0 && in.packed_weight_gib <= 1e6)) {
+    return absl::InvalidArgumentError(absl::StrCat("--packed-weight-gb = ", in.packed_weight_gib,
+                                                   " must be between 0 and 1000000"));
+  }
   return absl::OkStatus();
 }
 
@@ -455,7 +579,16 @@ std::vector<std::string> PlanAssumptions() {
       "lora mode: base weights frozen (dense part in bf16, experts in --expert-dtype); rank-r "
       "A and B on each routed expert's fused gate|up and on its down, and on every attention "
       "projection, in fp32 with gradients and AdamW m, v (16 bytes per adapter parameter)",
-      "fp8 experts: 1 byte per weight + an fp32 scale per 128x128 block; they compute in bf16",
+      "fp8 experts: 1 byte per weight + an fp32 scale per 128x128 block; int4 experts: "
+      "half a byte per weight (rows padded to 8 weights) + a bf16 scale per group of inputs "
+      "(--int4-group-size, else the config's quantization_config, else 32), and an int8 zero "
+      "point per group where that config is asymmetric; both compute in bf16",
+      "one process per GPU; each holds ceil(node's experts / GPUs) of every MoE layer, and its "
+      "expert kernels keep packs of them up to --packed-weight-gb (experts.packed_weight_gb): "
+      "in lora mode each frozen weight (one layer's gate|up or down, all the process's experts) "
+      "in each orientation (forward, dX) that fits what is left, in the order a step uses them; "
+      "2 bytes per weight where the kernels multiply bf16 pairs (avx512_bf16, amx_bf16; FP8 1 "
+      "byte), else 4 (float32 panels); full mode keeps none (no recomputation)",
       "expert activations in the experts' compute dtype: per MoE layer each row keeps its "
       "input (hidden) and gate/up outputs (2 x moe_intermediate)",
       "dense activations in fp32, no recomputation, memory-efficient attention (no seq_len^2 "
@@ -476,6 +609,7 @@ std::vector<std::string> PlanAssumptions() {
 Plan ComputePlan(const ModelOptions& o, const PlanInputs& in) {
   Plan p;
   p.params = framework::CountParameters(o);
+  if (in.expert_dtype == PlanDtype::kInt4) p.int4_group_size = Int4GroupSize(o, in);
   p.lora_params_per_expert = LoraParamsPerExpert(o, in.lora_rank);
   p.lora_params_attention = LoraParamsAttention(o, in.lora_rank);
   p.trainable_params = in.mode == PlanMode::kFull

@@ -5,8 +5,9 @@
 // trillion-parameter config plans in milliseconds. The layout is moefit's:
 // every node holds num_experts / N of each MoE layer's routed experts in host
 // RAM (contiguous blocks, the first nodes one more when N does not divide),
-// and every GPU holds a replica of the dense part (attention, norms, routers,
-// shared experts, dense MLPs, embeddings) and runs micro_batch x seq_len tokens.
+// shared by its processes, one per GPU; every GPU holds a replica of the dense
+// part (attention, norms, routers, shared experts, dense MLPs, embeddings) and
+// runs micro_batch x seq_len tokens.
 //
 // Every figure is one small named formula in plan_command.cc, written so that
 // a reader can redo it by hand; the assumptions behind them are printed with
@@ -29,8 +30,16 @@ namespace moefit::launch {
 // and only rank-r adapters on the routed experts and attention projections train.
 enum class PlanMode { kFull, kLora };
 // Storage dtype of the routed experts. fp8 (e4m3 with an fp32 scale per
-// 128x128 block, as DeepSeek-V3 and Kimi-K2 ship) can only be frozen.
-enum class PlanDtype { kFp32, kBf16, kFp8 };
+// 128x128 block, as DeepSeek-V3 and Kimi-K2 ship) and int4 (compressed-tensors'
+// pack-quantized: 4-bit integers with a bfloat16 scale per group of inputs, as
+// Kimi-K2-Thinking and Kimi-K2.5 ship) can only be frozen.
+enum class PlanDtype { kFp32, kBf16, kFp8, kInt4 };
+
+// The expert kernels' instruction set on the nodes (experts/kernels/isa.h):
+// it sets how large the kernels' kept packs of the frozen weights are. From
+// avx512_bf16 up they multiply bfloat16 pairs, and a pack holds 2 bytes per
+// bfloat16 or int4 weight and 1 per FP8 one; below, float32 panels of 4 bytes.
+enum class PlanIsa { kAvx2, kAvx512, kAvx512Bf16, kAmxBf16 };
 
 struct PlanInputs {
   int64_t nodes = 0;
@@ -42,20 +51,29 @@ struct PlanInputs {
   PlanDtype expert_dtype = PlanDtype::kBf16;
   int64_t seq_len = 4096;
   int64_t micro_batch = 1;  // sequences per GPU per micro-batch
+  // int4 experts: inputs per bfloat16 scale; nullopt: the model config's
+  // compressed-tensors quantization_config, else 32.
+  std::optional<int64_t> int4_group_size;
+  // experts.packed_weight_gb: GiB of packs each process's expert kernels keep.
+  double packed_weight_gib = 2;
+  PlanIsa cpu_isa = PlanIsa::kAmxBf16;
 };
 
 // InvalidArgument naming the flag when an input is out of range, or when fp8
-// experts are asked to train (--mode full).
+// or int4 experts are asked to train (--mode full).
 absl::Status CheckPlanInputs(const PlanInputs& in);
 
 // Host RAM of the node holding the most experts.
 struct NodeMemory {
-  int64_t experts_per_layer = 0;  // routed experts of each MoE layer on this node
-  int64_t expert_weights = 0;     // bytes, including fp8 block scales
+  int64_t experts_per_layer = 0;    // routed experts of each MoE layer on this node
+  int64_t experts_per_process = 0;  // of them, on the process holding the most
+  int64_t expert_weights = 0;       // bytes, including fp8 and int4 scales
   int64_t expert_grads = 0;
   int64_t expert_optimizer = 0;  // AdamW m and v
   int64_t lora = 0;              // expert adapters: weights, grads, m and v (fp32)
-  int64_t activations = 0;       // expert inputs and gate/up outputs kept for backward
+  // The expert kernels' kept packs of the frozen weights (lora), all processes.
+  int64_t expert_packs = 0;
+  int64_t activations = 0;  // expert inputs and gate/up outputs kept for backward
   int64_t reserve = 0;
   int64_t total = 0;
 };
@@ -73,6 +91,7 @@ struct GpuMemory {
 
 struct Plan {
   framework::ParameterCounts params;
+  int64_t int4_group_size = 0;         // int4 experts: inputs per scale (0: not int4)
   int64_t lora_params_per_expert = 0;  // adapters of one routed expert (lora mode)
   int64_t lora_params_attention = 0;   // adapters on every attention projection, all layers
   int64_t trainable_params = 0;        // what AdamW updates

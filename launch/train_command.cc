@@ -56,6 +56,8 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
     // LibTorch's current device too, so that nothing lands on GPU 0 by default.
     c10::impl::getDeviceGuardImpl(c10::kCUDA)->setDevice(run.runtime.dense_device);
     out.gpu_per_process = parallel::GpuPerProcess(node, num_gpus);
+    // The hot-expert cache computes on this process's GPU.
+    if (run.train.gpu_cache_experts > 0) run.runtime.expert_cache_device = run.runtime.dense_device;
   }
   if (run.runtime.recompute == framework::Recompute::kFull && !run.runtime.dense_device.is_cpu() &&
       out.groups.world->size() > 1) {
@@ -128,6 +130,12 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
           "checkpoint as stored; those of ",
           run.model_path, " are not FP8 with block scales (_scale_inv or _scale)"));
     }
+  }
+  // int4 experts are allocated in the checkpoint's scheme (its
+  // quantization_config's groups and zero points), else in groups of 32.
+  if (run.runtime.expert_dtype == at::kByte && run.model.int4_weights) {
+    run.runtime.int4_group_size = run.model.int4_weights->group_size;
+    run.runtime.int4_zero_points = !run.model.int4_weights->symmetric;
   }
   // Weights that are loaded next are only allocated: no random draw, and the
   // loader fills the model's own tensors, so they are in memory once.
@@ -319,6 +327,8 @@ absl::Status RunTraining(const RunConfig& run, std::shared_ptr<parallel::Communi
     if (!run.train.metrics_file.empty()) log << "; metrics in " << run.train.metrics_file;
     log << std::endl;
   }
+  // What this run held at its peak, and what its experts hold per parameter.
+  LogEndMemory(*model, *groups.world, log);
   if (!final_dir.empty() && run.runtime.lora.enabled()) {
     framework::AdapterSaveOptions save;
     save.base_model_name_or_path = run.model_path;

@@ -32,7 +32,7 @@ as_root() {
 apt_pkgs=(build-essential cmake git pkg-config python3 python3-venv
           libopenmpi-dev openmpi-bin libtbb-dev libabsl-dev
           libprotobuf-dev protobuf-compiler libgtest-dev libgmock-dev
-          libbenchmark-dev nlohmann-json3-dev zlib1g-dev)
+          libbenchmark-dev nlohmann-json3-dev zlib1g-dev libboost-dev libpng-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

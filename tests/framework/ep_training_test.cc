@@ -1,11 +1,11 @@
 // Expert-parallel training equals single-process training over the same
-// global batch, for qwen3_moe and for the sigmoid-routed families (deepseek_v3,
-// glm4_moe: sequence-wise balance loss, correction biases moved from global
-// counts), on packed SFT samples (segment masks, restarting positions), and
-// with each MoE layer pipelined over token chunks (parallel.dispatch_chunks).
-// Runs under mpirun -np 2 and -np 4: every rank trains with its share of each
-// micro-batch and its share of the experts; rank 0 also trains
-// the same model alone (a one-rank communicator, W times the micro-batch) and
+// global batch (losses, parameters, and every layer's routing telemetry), for qwen3_moe and for the
+// sigmoid-routed families (deepseek_v3, glm4_moe: sequence-wise balance loss, correction biases
+// moved from global counts), on packed SFT samples (segment masks, restarting positions), and with
+// each MoE layer pipelined over token chunks (parallel.dispatch_chunks), and with the hot-expert
+// cache on its CPU twin (framework/expert_cache.h). Runs under mpirun -np 2
+// and -np 4: every rank trains with its share of each micro-batch and its share of the experts;
+// rank 0 also trains the same model alone (a one-rank communicator, W times the micro-batch) and
 // compares losses and the final parameters (experts gathered from their
 // owners).
 //
@@ -32,9 +32,9 @@
 #include "framework/trainer.h"
 #include "launch/config.h"
 #include "launch/corpus.h"
-#include "tests/framework/test_configs.h"
 #include "parallel/local_communicator.h"
 #include "parallel/process_groups.h"
+#include "tests/framework/test_configs.h"
 #include "tests/parallel/mpi_test_env.h"
 
 namespace moefit::framework {
@@ -50,25 +50,37 @@ struct Result {
 // moving fast enough to change routing within the 5 steps).
 std::vector<std::string> FamilySets(const std::string& family) {
   if (family == "deepseek_v3") {
-    return {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0", "model.q_lora_rank=24",
-            "model.kv_lora_rank=16", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=8",
-            "model.v_head_dim=16", "model.n_group=4", "model.topk_group=2",
-            "model.first_k_dense_replace=1", "model.num_hidden_layers=3",
-            "model.aux_loss_alpha=0.01", "router.bias_update_rate=0.01"};
+    return {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
+            "model.q_lora_rank=24",         "model.kv_lora_rank=16",
+            "model.qk_nope_head_dim=16",    "model.qk_rope_head_dim=8",
+            "model.v_head_dim=16",          "model.n_group=4",
+            "model.topk_group=2",           "model.first_k_dense_replace=1",
+            "model.num_hidden_layers=3",    "model.aux_loss_alpha=0.01",
+            "router.bias_update_rate=0.01"};
   }
   if (family == "glm4_moe") {
-    return {"model.model_type=glm4_moe", "model.router_aux_loss_coef=0",
-            "model.attention_bias=true", "model.use_qk_norm=true", "model.n_group=2",
-            "model.topk_group=1", "model.first_k_dense_replace=1", "model.num_hidden_layers=3",
-            "model.aux_loss_alpha=0.01", "router.bias_update_rate=0.01"};
+    return {"model.model_type=glm4_moe",
+            "model.router_aux_loss_coef=0",
+            "model.attention_bias=true",
+            "model.use_qk_norm=true",
+            "model.n_group=2",
+            "model.topk_group=1",
+            "model.first_k_dense_replace=1",
+            "model.num_hidden_layers=3",
+            "model.aux_loss_alpha=0.01",
+            "router.bias_update_rate=0.01"};
   }
   return {"model.num_hidden_layers=2"};
 }
 
 launch::RunConfig SmallRun(int64_t micro_batch, const std::string& family) {
-  std::vector<std::string> sets = {"train.steps=5", "train.seq_len=64", "model.hidden_size=64",
-                                   "model.head_dim=16", "model.moe_intermediate_size=32",
-                                   "logging.metrics_file=", "schedule.warmup_steps=2",
+  std::vector<std::string> sets = {"train.steps=5",
+                                   "train.seq_len=64",
+                                   "model.hidden_size=64",
+                                   "model.head_dim=16",
+                                   "model.moe_intermediate_size=32",
+                                   "logging.metrics_file=",
+                                   "schedule.warmup_steps=2",
                                    "optimizer.eps=1e-4",
                                    "train.micro_batch_size=" + std::to_string(micro_batch)};
   for (const std::string& s : FamilySets(family)) sets.push_back(s);
@@ -100,7 +112,14 @@ absl::StatusOr<TokenDataset> PackedCorpus(int64_t seq_len) {
 }
 
 Result Train(launch::RunConfig run, std::shared_ptr<parallel::Communicator> world, int ep_size,
-             const std::string& dispatcher, bool packed = false, int64_t chunks = 1) {
+             const std::string& dispatcher, bool packed = false, int64_t chunks = 1,
+             bool cache = false) {
+  if (cache) {
+    // The hot-expert cache on its CPU twin: 3 experts of each process on the
+    // second compute path.
+    run.runtime.expert_cache_device = c10::Device(c10::kCPU);
+    run.train.gpu_cache_experts = 3;
+  }
   auto groups = parallel::MakeProcessGroups(world, {.ep_size = ep_size});
   EXPECT_TRUE(groups.ok()) << groups.status();
   run.runtime.expert_group = groups->expert_parallel;
@@ -140,6 +159,7 @@ struct EpCase {
   std::string family = "qwen3_moe";
   bool packed = false;  // SFT samples packed with segments, else the byte stream
   int64_t chunks = 1;   // parallel.dispatch_chunks of the multi-process run
+  bool cache = false;   // the multi-process run with the hot-expert cache (CPU twin)
 };
 
 class EpEqualsSingleProcess : public ::testing::TestWithParam<EpCase> {};
@@ -151,18 +171,44 @@ TEST_P(EpEqualsSingleProcess, SameLossesAndParameters) {
     GTEST_SKIP() << "ep_size " << c.ep_size << " does not fit " << world->size() << " ranks";
   }
   constexpr int64_t kMicro = 2;
-  Result multi =
-      Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed, c.chunks);
+  Result multi = Train(SmallRun(kMicro, c.family), world, c.ep_size, c.dispatcher, c.packed,
+                       c.chunks, c.cache);
+  if (c.cache) {
+    double served = 0;
+    for (const StepStats& s : multi.steps) served += s.gpu_cache_share;
+    EXPECT_GT(served, 0.2) << "the cache computed (almost) nothing";
+  }
   if (world->rank() != 0) return;
   Result single = Train(SmallRun(kMicro * world->size(), c.family),
                         parallel::LocalCommunicator::Create(), 0, "alltoall", c.packed);
   ASSERT_EQ(multi.steps.size(), single.steps.size());
   for (size_t i = 0; i < single.steps.size(); ++i) {
-    EXPECT_NEAR(multi.steps[i].loss, single.steps[i].loss, 1e-5 * single.steps[i].loss) << "step " << i;
+    EXPECT_NEAR(multi.steps[i].loss, single.steps[i].loss, 1e-5 * single.steps[i].loss)
+        << "step " << i;
     EXPECT_NEAR(multi.steps[i].aux_loss, single.steps[i].aux_loss, 1e-5 * single.steps[i].aux_loss);
-    EXPECT_NEAR(multi.steps[i].grad_norm, single.steps[i].grad_norm, 1e-4 * single.steps[i].grad_norm);
-    EXPECT_EQ(multi.steps[i].moe_layers[0].tokens_per_expert,
-              single.steps[i].moe_layers[0].tokens_per_expert);
+    EXPECT_NEAR(multi.steps[i].grad_norm, single.steps[i].grad_norm,
+                1e-4 * single.steps[i].grad_norm);
+    // Routing telemetry is global: every layer's figures are those of one process.
+    ASSERT_EQ(multi.steps[i].moe_layers.size(), single.steps[i].moe_layers.size());
+    for (size_t l = 0; l < single.steps[i].moe_layers.size(); ++l) {
+      const LayerLoad& m = multi.steps[i].moe_layers[l];
+      const LayerLoad& s = single.steps[i].moe_layers[l];
+      EXPECT_EQ(m.tokens_per_expert, s.tokens_per_expert) << "step " << i << " layer " << l;
+      EXPECT_EQ(m.decayed_load, s.decayed_load) << "step " << i << " layer " << l;
+      EXPECT_EQ(m.max_over_mean, s.max_over_mean);
+      EXPECT_EQ(m.cv, s.cv);
+      EXPECT_NEAR(m.router_entropy, s.router_entropy, 1e-5 * s.router_entropy);
+      ASSERT_EQ(m.balance_loss.has_value(), s.balance_loss.has_value());
+      if (s.balance_loss) {
+        EXPECT_NEAR(*m.balance_loss, *s.balance_loss, 1e-5 * *s.balance_loss);
+      }
+      ASSERT_EQ(m.correction_bias.has_value(), s.correction_bias.has_value());
+      if (s.correction_bias) {
+        EXPECT_NEAR(m.correction_bias->min, s.correction_bias->min, 1e-6);
+        EXPECT_NEAR(m.correction_bias->max, s.correction_bias->max, 1e-6);
+        EXPECT_NEAR(m.correction_bias->std, s.correction_bias->std, 1e-6);
+      }
+    }
   }
   if (c.family != "qwen3_moe") {
     // The correction biases moved, alike on every rank (they are compared below).
@@ -191,11 +237,14 @@ INSTANTIATE_TEST_SUITE_P(
                       EpCase{"alltoall", 0, "qwen3_moe", true},
                       EpCase{"alltoall", 0, "deepseek_v3", true},
                       EpCase{"alltoall", 0, "qwen3_moe", false, 3},
-                      EpCase{"alltoall", 0, "deepseek_v3", true, 2}),
+                      EpCase{"alltoall", 0, "deepseek_v3", true, 2},
+                      EpCase{"alltoall", 0, "qwen3_moe", false, 1, true},
+                      EpCase{"alltoall", 0, "deepseek_v3", true, 2, true}),
     [](const auto& info) {
       return info.param.family + "_" + info.param.dispatcher + "_ep" +
              std::to_string(info.param.ep_size) + (info.param.packed ? "_packed" : "") +
-             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "") +
+             (info.param.cache ? "_gpu_cache_twin" : "");
     });
 
 // Dense gradients summed bucket by bucket during backward equal the sums

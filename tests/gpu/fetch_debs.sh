@@ -3,8 +3,9 @@
 # folder, for tests/gpu/run.sh on a machine that has python3 with the torch
 # wheel, CMake, ninja and a C++ compiler but none of these -dev packages and no
 # network: carry the folder there and run.sh unpacks it into a prefix of its
-# own. About 15 MB. Run on Debian 12 (apt-get download fetches this release's
-# builds): tests/gpu/fetch_debs.sh [DIR] (default .gpu-debs in the checkout).
+# own. About 25 MB (10 MB of it Boost's headers). Run on Debian 12 (apt-get
+# download fetches this release's builds): tests/gpu/fetch_debs.sh [DIR]
+# (default .gpu-debs in the checkout).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 dir=${1:-$root/.gpu-debs}
@@ -20,6 +21,7 @@ pkgs=(
   libabsl-dev libabsl20220623
   libprotobuf-dev libprotobuf32 libprotobuf-lite32 protobuf-compiler libprotoc32
   libgtest-dev libgmock-dev googletest nlohmann-json3-dev zlib1g-dev zlib1g
+  libboost-dev libboost1.74-dev libpng-dev libpng16-16
 )
 apt-get download "${pkgs[@]}"
 echo "fetch_debs: $(ls "$dir"/*.deb | wc -l) packages, $(du -sh "$dir" | cut -f1) in $dir"

@@ -165,6 +165,14 @@ big=(--set model.hidden_size=1024 --set model.intermediate_size=2048 --set model
 run big_cpu 1 8 --set parallel.device=cpu "${big[@]}"
 run big_gpu 1 8 --set parallel.device=cuda "${big[@]}"
 run big_gpu_bf16 1 8 --set parallel.device=cuda --set train.dense_dtype=bfloat16 "${big[@]}"
+# Hot experts on the GPU (8 of the demo's 4 x 8 experts, reconsidered every
+# step on counters of half-life 4): the losses of the run without, the share
+# of rows the GPU computed, the step time with and without.
+cache=(--set experts.gpu_cache_experts=8 --set experts.gpu_cache_every_steps=1
+       --set logging.routing_half_life_steps=4)
+run gpu_cache 1 8 --set parallel.device=cuda "${cache[@]}"
+run lora_gpu_cache 1 8 --set parallel.device=cuda "${lora[@]}" "${cache[@]}"
+run big_gpu_cache 1 8 --set parallel.device=cuda "${big[@]}" "${cache[@]}"
 
 "$python" - "$out" <<'PY' || status=1
 import glob, json, os, sys
@@ -208,6 +216,18 @@ compare("bfloat16 experts, dense on GPU vs on CPU", "experts_bf16_gpu", "experts
 compare("int4 experts (LoRA), dense on GPU vs on CPU", "experts_int4_gpu", "experts_int4_cpu", 1e-3)
 compare("experts recomputed in backward on GPU vs stored", "recompute_gpu", "gpu", 1e-6)
 compare("TF32 vs float32 dense on GPU", "tf32_gpu", "gpu", 1e-2)
+compare("hot experts on the GPU vs none", "gpu_cache", "gpu", 1e-3)
+compare("LoRA, hot experts on the GPU vs none", "lora_gpu_cache", "lora_gpu", 1e-3)
+for name, base in (("gpu_cache", "gpu"), ("lora_gpu_cache", "lora_gpu"), ("big_gpu_cache", "big_gpu")):
+    if not runs.get(name) or not runs.get(base):
+        continue
+    cached, plain = later_steps(name), later_steps(base)
+    share = sum(m.get("gpu_cache_share", 0.0) for m in cached) / len(cached)
+    step_with = sum(m["step_s"] for m in cached) / len(cached)
+    step_without = sum(m["step_s"] for m in plain) / len(plain)
+    print(f"  {name}: {share:.1%} of the expert rows computed on the GPU (steps 2-); step "
+          f"{step_with*1e3:.1f} ms with the cache, {step_without*1e3:.1f} ms without "
+          f"({step_with / step_without:.2f}x)")
 for name in ("gpu", "gpu_bf16", "gpu_shared_np2", "lora_gpu", "experts_bf16_gpu", "big_gpu",
              "big_gpu_bf16"):
     if not runs.get(name):

@@ -14,6 +14,7 @@ alone) must give, bit for bit, what the library's decompress gives: bfloat16
 """
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -147,6 +148,30 @@ def test_rank_reads_only_its_experts(tool, int4_model, tmp_path):
                                            for n, t in tensors.items() if mine(n))
     down = torch.stack([decompress(tensors, f"{MOE}experts.{e}.down_proj.weight", scheme) for e in (2, 3)])
     assert torch.equal(runtime[MOE + "experts.down_proj"], down)  # bf16 without a dtype
+
+
+def test_lora_on_int4_experts_trains_as_on_their_dequantization(build_dir, int4_model, tmp_path):
+    """experts.dtype int4 keeps the routed experts as stored, in the checkpoint's
+    groups and with its zero points: two LoRA steps give, bit for bit, the
+    losses of the same run on the experts the loader dequantizes to bfloat16."""
+    src, *_ = int4_model
+    moefit = build_dir / "launch" / "moefit"
+
+    def losses(dtype):
+        metrics = tmp_path / f"{dtype}.jsonl"
+        sets = [f"model.model_path={src}", f"experts.dtype={dtype}", "train.mode=lora",
+                "lora.rank=4", "lora.target_modules=[q_a_proj,experts]", "train.steps=2",
+                "train.seq_len=32", "train.micro_batch_size=2", "parallel.device=cpu",
+                f"logging.metrics_file={metrics}"]
+        result = subprocess.run([str(moefit), "train", *[a for s in sets for a in ("--set", s)]],
+                                capture_output=True, text=True, timeout=300,
+                                env=dict(os.environ, MOEFIT_NUM_THREADS="1"))
+        assert result.returncode == 0, result.stdout + result.stderr
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    int4 = losses("int4")
+    assert len(int4) == 2
+    assert int4 == losses("bfloat16")
 
 
 def test_export_from_config_json_alone(build_dir, int4_model, tmp_path):

@@ -25,7 +25,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "data" / "configs"
-NAMES = ["deepseek-v3", "kimi-k2", "qwen3-235b-a22b", "qwen3-30b-a3b", "glm-4.5", "mixtral-8x22b"]
+NAMES = ["deepseek-v3", "kimi-k2", "kimi-k2-thinking", "qwen3-235b-a22b", "qwen3-30b-a3b", "glm-4.5",
+         "mixtral-8x22b"]
 
 # The published figures, as (value, low, high): the interval the printed
 # figure stands for (round-to-nearest unless noted), and the basis of the
@@ -42,6 +43,9 @@ PUBLISHED = {
     "deepseek-v3": {"total": (671e9, 670.5e9, 671.5e9, "all"),
                     "active": (37e9, 36.5e9, 37.5e9, "no_input_embedding")},
     "kimi-k2": {"active": (32e9, 31.5e9, 32.5e9, "no_input_embedding")},
+    # Its model card: "1T" total (to the nearest trillion), "32B" activated.
+    "kimi-k2-thinking": {"total": (1e12, 0.5e12, 1.5e12, "all"),
+                         "active": (32e9, 31.5e9, 32.5e9, "no_input_embedding")},
     "qwen3-235b-a22b": {"total": (235e9, 234.5e9, 235.5e9, "all"),
                         "active": (22e9, 21.5e9, 22.5e9, "all")},
     # Qwen's model card: "30.5B in total and 3.3B activated"; 3.3B is 3.35B
@@ -71,6 +75,7 @@ KNOWN_GAPS = {
 FITS = {
     "deepseek-v3": (8, 1024, 8, 141, "lora"),
     "kimi-k2": (8, 1024, 8, 141, "lora"),
+    "kimi-k2-thinking": (8, 1024, 8, 141, "lora"),
     "qwen3-235b-a22b": (2, 1024, 8, 80, "lora"),
     "qwen3-30b-a3b": (1, 1024, 8, 80, "full"),
     "glm-4.5": (4, 1024, 8, 141, "lora"),
@@ -79,6 +84,7 @@ FITS = {
 TOO_SMALL = {
     "deepseek-v3": (1, 512, 8, 141, "lora"),  # 5
     "kimi-k2": (2, 1024, 8, 141, "lora"),  # 3
+    "kimi-k2-thinking": (2, 1024, 8, 141, "lora"),  # 3
     "qwen3-235b-a22b": (1, 256, 8, 80, "lora"),  # 8
     "qwen3-30b-a3b": (1, 128, 8, 80, "full"),  # 10
     "glm-4.5": (1, 512, 8, 141, "lora"),  # 3
@@ -103,7 +109,8 @@ def plan_json(build_dir, name, cluster):
 def meta_model(name):
     """The transformers model of a shipped config, on the meta device."""
     cfg = json.loads((CONFIGS / f"{name}.json").read_text())
-    # The FP8 quantization of DeepSeek-V3 and Kimi-K2 changes storage, not shape.
+    # The FP8 quantization of DeepSeek-V3 and Kimi-K2 and the int4 one of
+    # Kimi-K2-Thinking change storage, not shape.
     cfg.pop("quantization_config", None)
     cfg.pop("auto_map", None)
     model_type = cfg.pop("model_type")
@@ -198,6 +205,47 @@ def test_fp8_experts_store_one_byte_and_block_scales(build_dir, counts):
     slots = p["ram_per_node"]["experts_per_layer"] * p["parameters"]["num_moe_layers"]
     assert fp8 == slots * (3 * h * i + 3 * math.ceil(i / 128) * math.ceil(h / 128) * 4)
     assert bf16 == slots * 3 * h * i * 2
+
+
+def int4_expert_bytes(h, i, group, zero_points=False):
+    """One routed expert as compressed-tensors stores it: eight weights per
+    int32 word along each row, a bf16 scale (and an int8 zero point when
+    asymmetric) per group of inputs; gate and up [i, h], down [h, i]."""
+    def matrix(rows, cols):
+        return rows * (math.ceil(cols / 8) * 4 + math.ceil(cols / group) * (2 + zero_points))
+    return 2 * matrix(i, h) + matrix(h, i)
+
+
+def test_int4_experts_store_half_a_byte_and_group_scales(build_dir):
+    """Kimi-K2-Thinking as shipped: int4 experts, frozen, a bf16 scale per 32
+    inputs, the group read from its quantization_config; --int4-group-size
+    overrides it."""
+    name, cluster = "kimi-k2-thinking", FITS["kimi-k2-thinking"]
+    out = plan(build_dir, name, cluster, "--json", "--expert-dtype", "int4")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout)
+    h, i = 7168, 2048
+    slots = p["ram_per_node"]["experts_per_layer"] * p["parameters"]["num_moe_layers"]
+    assert p["inputs"]["int4_group_size"] == 32
+    assert p["ram_per_node"]["expert_weights"] == slots * int4_expert_bytes(h, i, 32)
+    # 0.5625 bytes per weight: these rows fill whole words and groups.
+    assert p["ram_per_node"]["expert_weights"] * 16 == slots * 3 * h * i * 9
+    out = plan(build_dir, name, cluster, "--json", "--expert-dtype", "int4", "--int4-group-size", "128")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ram_per_node"]["expert_weights"] == \
+        slots * int4_expert_bytes(h, i, 128)
+    # Without a compressed-tensors config (Kimi-K2 ships FP8), groups of 32.
+    out = plan(build_dir, "kimi-k2", FITS["kimi-k2"], "--json", "--expert-dtype", "int4")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ram_per_node"]["expert_weights"] == \
+        slots * int4_expert_bytes(h, i, 32)
+
+
+def test_int4_full_exits_2(build_dir):
+    out = plan(build_dir, "kimi-k2-thinking", FITS["kimi-k2-thinking"][:4] + ("full",),
+               "--expert-dtype", "int4")
+    assert out.returncode == 2
+    assert "--expert-dtype int4 needs --mode lora: int4 expert weights can only be frozen" in out.stderr
 
 
 def test_missing_config_exits_2(build_dir, tmp_path):

@@ -10,8 +10,8 @@
 
 #include "framework/model.h"
 #include "launch/plan_command.h"
-#include "tests/launch/toy_model.h"
 #include "parallel/local_communicator.h"
+#include "tests/launch/toy_model.h"
 
 namespace moefit::launch {
 namespace {
@@ -70,6 +70,42 @@ TEST(MemoryReport, WeightsGradientsAndAdamStatesOfABuiltModel) {
   const MemoryBreakdown same = MaxOverRanks(m, *parallel::LocalCommunicator::Create());
   EXPECT_EQ(same.weight_bytes, m.weight_bytes);
   EXPECT_EQ(same.peak_rss_bytes, m.peak_rss_bytes);
+}
+
+// The routed experts' bytes per parameter, as stored: 2 for bfloat16; for
+// int4 half a byte and a bfloat16 scale per 32 inputs, 0.5625 here.
+TEST(MemoryReport, ExpertBytesPerParameter) {
+  const int64_t params = 2 * 10 * 3 * 64 * 32;  // 2 MoE layers x 10 experts x 3 H I
+  framework::ModelRuntime runtime;
+  runtime.frozen_base = true;
+  runtime.expert_dtype = at::kBFloat16;
+  auto bf16 = framework::MoeModel::Create(Toy(), runtime, /*seed=*/0,
+                                          framework::WeightInit::kUninitialized);
+  ASSERT_TRUE(bf16.ok()) << bf16.status();
+  ExpertMemory m = ComputeExpertMemory(**bf16);
+  EXPECT_EQ(m.num_params, params);
+  EXPECT_EQ(m.tensor_bytes, 2 * params);
+  EXPECT_EQ(m.pack_bytes, 0);  // nothing has run
+
+  runtime.expert_dtype = at::kByte;
+  auto int4 = framework::MoeModel::Create(Toy(), runtime, /*seed=*/0,
+                                          framework::WeightInit::kUninitialized);
+  ASSERT_TRUE(int4.ok()) << int4.status();
+  m = ComputeExpertMemory(**int4);
+  EXPECT_EQ(m.num_params, params);
+  // gate_up [64, 64]: 32 bytes + 2 scales a row; down [64, 32]: 16 bytes + 1 scale.
+  EXPECT_EQ(m.tensor_bytes, 2 * 10 * (64 * (32 + 2 * 2) + 64 * (16 + 2)));
+  EXPECT_EQ(m.tensor_bytes * 16, params * 9);
+
+  std::ostringstream log;
+  LogEndMemory(**int4, *parallel::LocalCommunicator::Create(), log);
+  EXPECT_NE(log.str().find("moefit: memory at the end, rank 0: peak RSS "), std::string::npos)
+      << log.str();
+  EXPECT_NE(log.str().find("; routed experts 0.1 MiB + 0.0 MiB kept packs for 122880 parameters "
+                           "(0.5625 + 0.0000 bytes each)"),
+            std::string::npos)
+      << log.str();
+  EXPECT_EQ(log.str().find("largest over"), std::string::npos) << "one rank";
 }
 
 TEST(MemoryReport, PeakRssGrowsWithTouchedMemory) {

@@ -98,6 +98,91 @@ TEST(Plan, LoraFp8ByHand) {
   EXPECT_EQ(p.trainable_params, 2 * 10 * 896 + p.lora_params_attention);
 }
 
+// int4 as compressed-tensors stores it: each row's weights in whole 32-bit
+// words of eight, and a bf16 scale per 32 inputs: 0.5625 bytes per weight
+// where the rows fill whole words and groups.
+TEST(Plan, LoraInt4ByHand) {
+  framework::ModelOptions o = Toy();
+  const Plan p = ComputePlan(o, Cluster(PlanMode::kLora, PlanDtype::kInt4));
+  EXPECT_EQ(p.int4_group_size, 32);
+  // gate and up [32, 64]: 32 bytes + 2 scales of 2 bytes per row; down
+  // [64, 32]: 16 bytes + 1 scale per row.
+  const int64_t per_expert = 2 * 32 * (32 + 4) + 64 * (16 + 2);
+  EXPECT_EQ(per_expert, 6144 * 9 / 16);
+  EXPECT_EQ(p.ram.expert_weights, 6 * per_expert);
+  EXPECT_EQ(p.ram.expert_grads + p.ram.expert_optimizer, 0);
+  EXPECT_EQ(p.ram.lora, 6 * 896 * 16);
+  // int4 experts compute in bf16, like fp8 ones.
+  EXPECT_EQ(p.ram.activations, 2 * 32 * 128 * 2);
+  EXPECT_EQ(p.gpu.dense_weights, p.params.dense * 2);
+
+  // Rows that fill neither whole words nor whole groups: gate and up [36, 60]
+  // take 8 words (32 bytes) and 2 scales per row, down [60, 36] 5 words
+  // (20 bytes) and 2 scales.
+  o.hidden_size = 60;
+  o.moe_intermediate_size = 36;
+  EXPECT_EQ(ComputePlan(o, Cluster(PlanMode::kLora, PlanDtype::kInt4)).ram.expert_weights,
+            6 * (2 * 36 * (32 + 4) + 60 * (20 + 4)));
+}
+
+// The group size: --int4-group-size, else the checkpoint's
+// quantization_config (with an int8 zero point per group when asymmetric),
+// else 32.
+TEST(Plan, Int4GroupSizeFromTheConfigOrTheFlag) {
+  framework::ModelOptions o = Toy();
+  o.int4_weights = checkpoint::PackedInt4Format{.group_size = 16, .symmetric = false};
+  PlanInputs in = Cluster(PlanMode::kLora, PlanDtype::kInt4);
+  Plan p = ComputePlan(o, in);
+  EXPECT_EQ(p.int4_group_size, 16);
+  // gate and up: 32 bytes + 4 groups of 3 bytes per row; down: 16 + 2 x 3.
+  EXPECT_EQ(p.ram.expert_weights, 6 * (2 * 32 * (32 + 12) + 64 * (16 + 6)));
+  in.int4_group_size = 64;
+  p = ComputePlan(o, in);
+  EXPECT_EQ(p.int4_group_size, 64);
+  EXPECT_EQ(p.ram.expert_weights, 6 * (2 * 32 * (32 + 3) + 64 * (16 + 3)));
+  // Not int4: no group size.
+  EXPECT_EQ(ComputePlan(o, Cluster(PlanMode::kLora, PlanDtype::kFp8)).int4_group_size, 0);
+}
+
+// The expert kernels' kept packs of the frozen base: each of a node's 2
+// processes holds ceil(3 / 2) = 2 experts of each MoE layer, and packs each
+// layer's gate|up (64 x 64 per expert) and down (32 x 64) in the forward's
+// orientation and again in dX's, while they fit its budget.
+TEST(Plan, KeptPacksByHand) {
+  const framework::ModelOptions o = Toy();
+  PlanInputs in = Cluster(PlanMode::kLora, PlanDtype::kBf16);
+  Plan p = ComputePlan(o, in);
+  EXPECT_EQ(p.ram.experts_per_process, 2);
+  // amx_bf16 keeps bf16 weights as bf16 pairs: 2 bytes each; 2 layers, 2
+  // orientations, 2 processes.
+  const int64_t per_layer = 2 * (64 * 64 + 32 * 64);
+  EXPECT_EQ(p.ram.expert_packs, 2 * 2 * 2 * per_layer * 2);
+  EXPECT_EQ(p.ram.total, p.ram.expert_weights + p.ram.lora + p.ram.expert_packs +
+                             p.ram.activations + p.ram.reserve);
+  // int4 packs are bf16 pairs too; FP8 keeps its byte; float32 panels on
+  // AVX2 and AVX-512F, for every dtype.
+  in.expert_dtype = PlanDtype::kInt4;
+  EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 8 * per_layer * 2);
+  in.expert_dtype = PlanDtype::kFp8;
+  EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 8 * per_layer * 1);
+  for (PlanIsa isa : {PlanIsa::kAvx2, PlanIsa::kAvx512}) {
+    in.cpu_isa = isa;
+    EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 8 * per_layer * 4);
+  }
+  in.expert_dtype = PlanDtype::kBf16;
+  in.cpu_isa = PlanIsa::kAvx512Bf16;
+  EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 8 * per_layer * 2);
+
+  // A budget of 30000 bytes holds layer 0's forward packs (16384 + 8192);
+  // nothing after them fits what is left.
+  in.packed_weight_gib = 30000.0 / static_cast<double>(kGiB);
+  EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 2 * (16384 + 8192));
+  in.packed_weight_gib = 0;
+  EXPECT_EQ(ComputePlan(o, in).ram.expert_packs, 0);
+  // Trained weights are packed per call: full fine-tuning keeps none.
+  EXPECT_EQ(ComputePlan(o, Cluster(PlanMode::kFull, PlanDtype::kBf16)).ram.expert_packs, 0);
+}
+
 TEST(Plan, MlaAttentionAdapters) {
   framework::ModelOptions o = Toy();
   o.attention = framework::AttentionKind::kMla;
@@ -190,6 +275,17 @@ TEST(Plan, InputChecksNameTheFlag) {
   in = Cluster(PlanMode::kFull, PlanDtype::kBf16);
   in.gpu_gib = -80;
   EXPECT_EQ(CheckPlanInputs(in).message(), "--gpu-gb = -80 must be positive");
+
+  in = Cluster(PlanMode::kFull, PlanDtype::kInt4);
+  EXPECT_EQ(CheckPlanInputs(in).message(),
+            "--expert-dtype int4 needs --mode lora: int4 expert weights can only be frozen");
+  in.mode = PlanMode::kLora;
+  EXPECT_TRUE(CheckPlanInputs(in).ok());
+  in.int4_group_size = 0;
+  EXPECT_EQ(CheckPlanInputs(in).message(), "--int4-group-size = 0 must be between 1 and 65536");
+  in.int4_group_size = 32;
+  in.packed_weight_gib = -1;
+  EXPECT_EQ(CheckPlanInputs(in).message(), "--packed-weight-gb = -1 must be between 0 and 1000000");
 }
 
 TEST(Plan, MissingConfigIsNotFound) {

@@ -24,6 +24,7 @@
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
 #include "proto/status_macros.h"
+#include "router/balance.h"
 #include "router/gating.h"
 #include "router/routing_stats.h"
 

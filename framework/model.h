@@ -139,7 +139,7 @@ struct MoeLayerRouting {
   at::Tensor prob_sum;      // [E] fp32, differentiable (for the Switch balance loss)
   at::Tensor expert_count;  // [E] fp32 assignments per expert (this rank's tokens), CPU
   // Sigmoid routers: DeepSeek's sequence-wise balance loss summed over this
-  // rank's sequences (differentiable; router::SequenceBalanceLossSum).
+  // rank's sequences (differentiable; router::SequenceBalanceLossSum in router/balance.h).
   at::Tensor seq_balance_sum;
   // The layer's e_score_correction_bias buffer itself (undefined without one):
   // the trainer moves it in place after each step.

@@ -3,7 +3,6 @@
 
 #include <ATen/ATen.h>
 #include <google/protobuf/util/json_util.h>
-#include <torch/csrc/autograd/grad_mode.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,7 +26,7 @@
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
 #include "proto/metrics.pb.h"
-#include "router/gating.h"
+#include "router/balance.h"
 #include "router/hot_expert_cache.h"
 
 namespace moefit::framework {
@@ -295,12 +294,9 @@ StepStats Trainer::Step(int64_t step) {
         // HF's balance loss over all MoE layers' decisions on this micro-batch
         // of the global batch: counts and token totals are summed over ranks,
         // each rank adds its share of the probability mass.
-        at::Tensor prob_sum = SumOverLayers(out.moe_layers, &MoeLayerRouting::prob_sum);
-        // Every (token, layer) makes num_experts_per_tok assignments.
-        const int64_t tokens =
-            std::llround(layer_counts.sum().item<double>()) / mo.num_experts_per_tok;
-        at::Tensor aux = router::LoadBalancingLoss(prob_sum, layer_counts.sum(0).to(at::kFloat),
-                                                   tokens, mo.num_experts);
+        at::Tensor aux = router::StepLoadBalancingLoss(
+            SumOverLayers(out.moe_layers, &MoeLayerRouting::prob_sum), layer_counts,
+            mo.num_experts_per_tok);
         aux_here += aux.item<double>();
         if (mo.router_aux_loss_coef > 0) {
           loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
@@ -328,19 +324,10 @@ StepStats Trainer::Step(int64_t step) {
   stats.grad_norm = s.SyncAndClip(o.optimizer.max_grad_norm);
   s.optimizer->Step(stats.lr);  // also refreshes the experts' compute copies
   stats.optimizer_seconds += since(optimizer_start);
-  // Aux-loss-free balancing (DeepSeek-V3): each correction bias moves by the
-  // rate towards balance, from the global batch's counts, which every rank
-  // holds alike, so the biases stay equal on all ranks.
+  // Aux-loss-free balancing (DeepSeek-V3), from the global batch's counts.
   if (o.bias_update_rate > 0) {
-    torch::NoGradGuard no_grad;
-    const std::vector<at::Tensor>& correction_biases = s.routing.correction_biases();
-    const at::Tensor load = s.routing.step_counts();
-    for (size_t row = 0; row < correction_biases.size(); ++row) {
-      at::Tensor bias = correction_biases[row];
-      if (!bias.defined()) continue;
-      at::Tensor c = load[static_cast<int64_t>(row)].to(at::kFloat);
-      bias.add_(at::sign(c.mean() - c).to(bias.device()), o.bias_update_rate);
-    }
+    router::UpdateCorrectionBiases(s.routing.correction_biases(), s.routing.step_counts(),
+                                   o.bias_update_rate);
   }
 
   s.routing.EndStep(&stats);

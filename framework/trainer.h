@@ -46,13 +46,16 @@
 
 namespace moefit::framework {
 
+// The options of a run, filled from its config by launch::ResolveConfig:
+// proto/config.proto states each default and range, once. Zero here means
+// "not filled".
 struct OptimizerOptions {
-  double lr = 3e-4;
-  double weight_decay = 0.1;
-  double beta1 = 0.9;
-  double beta2 = 0.95;
-  double eps = 1e-8;
-  double max_grad_norm = 1.0;  // 0 = no clipping
+  double lr = 0;
+  double weight_decay = 0;
+  double beta1 = 0;
+  double beta2 = 0;
+  double eps = 0;
+  double max_grad_norm = 0;  // 0 = no clipping
   // bfloat16 expert copies of float32 masters rounded stochastically (see
   // AdamWHyper); to nearest otherwise.
   bool stochastic_rounding = false;
@@ -60,19 +63,19 @@ struct OptimizerOptions {
 
 struct ScheduleOptions {
   int64_t warmup_steps = 0;
-  double min_lr_ratio = 0.1;
+  double min_lr_ratio = 0;
 };
 
 struct TrainOptions {
-  int64_t steps = 100;
-  int64_t micro_batch_size = 8;
-  int64_t grad_accum_steps = 1;
+  int64_t steps = 0;
+  int64_t micro_batch_size = 0;
+  int64_t grad_accum_steps = 0;
   uint64_t seed = 0;
   OptimizerOptions optimizer;
   ScheduleOptions schedule;
   // Aux-loss-free balancing: per-step move of each correction bias (routers
   // with e_score_correction_bias only); 0 = frozen.
-  double bias_update_rate = 0.001;
+  double bias_update_rate = 0;
   // Compute dtype of the dense layers (autocast of the dense device when
   // bfloat16; the parameters and their gradients stay float32) and whether
   // float32 GPU matrix products may use TF32 (a GPU only). The command line
@@ -83,16 +86,16 @@ struct TrainOptions {
   // Dense gradients summed bucket by bucket during the last micro-batch's
   // backward (parallel::OverlappedGradSync), or all after it
   // (parallel::AllReduceSum): the same sums.
-  bool overlap_grad_sync = true;
-  int64_t grad_bucket_bytes = 32 << 20;
+  bool overlap_grad_sync = false;
+  int64_t grad_bucket_bytes = 0;
   std::string metrics_file;  // JSON Lines; empty = none (written by rank 0)
-  int64_t log_every = 1;
+  int64_t log_every = 0;
   // Routing telemetry (framework/routing_telemetry.h) in StepStats::moe_layers:
   // decayed counters with this half-life in steps, imbalance, router entropy,
   // balance losses, correction-bias spread. Off: tokens per expert and
   // max/mean only.
-  bool routing_telemetry = true;
-  double routing_half_life_steps = 50;
+  bool routing_telemetry = false;
+  double routing_half_life_steps = 0;
   // TensorBoard event files (framework/tensorboard_writer.h, tags in
   // framework/step_summaries.h) written by rank 0 into this directory; empty =
   // none.
@@ -110,7 +113,7 @@ struct TrainOptions {
   // router::HotExpertCachePolicy and reconsidered every
   // gpu_cache_every_steps steps. 0 = none.
   int64_t gpu_cache_experts = 0;
-  int64_t gpu_cache_every_steps = 1;
+  int64_t gpu_cache_every_steps = 0;
 };
 
 // Learning rate of optimizer step `step` (0-based): linear warm-up to lr over

@@ -25,6 +25,7 @@
 #include "experts/registry.h"
 #include "framework/adapter_io.h"
 #include "framework/families/family.h"
+#include "launch/config_fields.h"
 #include "parallel/dispatcher.h"
 #include "proto/status_macros.h"
 
@@ -58,28 +59,6 @@ const char kDemoConfig[] = R"pb(
 )pb";
 
 namespace {
-
-const char kDefaults[] = R"pb(
-  data { format: "text" }
-  optimizer { lr: 3e-4 weight_decay: 0.1 beta1: 0.9 beta2: 0.95 eps: 1e-8 max_grad_norm: 1.0 }
-  schedule { warmup_steps: 0 min_lr_ratio: 0.1 }
-  train { steps: 100 micro_batch_size: 8 grad_accum_steps: 1 seq_len: 256 seed: 0 }
-  experts { backend: "grouped" num_threads: 0 thread_pool: "openmp" packed_weight_gb: 2 }
-  parallel {
-    device: "auto"
-    ep_size: 0
-    dispatcher: "alltoall"
-    timeout_s: 300
-    startup_timeout_s: 1800
-    ranks_per_gpu: 1
-    grad_sync: "overlap"
-    grad_bucket_bytes: 33554432
-    dispatch_chunks: 1
-    progress_thread_us: 0
-  }
-  checkpoint { max_shard_bytes: 5000000000 }
-  logging { log_every: 1 }
-)pb";
 
 // Collects the first text-format error as "file:line:col: message".
 class FirstError : public pb::io::ErrorCollector {
@@ -331,8 +310,7 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
 
 proto::Config DefaultConfig() {
   proto::Config config;
-  const absl::Status s = MergeText(kDefaults, "<defaults>", &config);
-  TORCH_CHECK(s.ok(), "built-in defaults: ", s.message());
+  FillConfigDefaults(&config);
   return config;
 }
 
@@ -977,8 +955,8 @@ absl::Status ResolveLora(const proto::Config& c, RunConfig& run) {
   }
   framework::LoraOptions& o = run.runtime.lora;
   o.rank = l.has_rank() ? l.rank() : 0;
-  o.alpha = l.has_alpha() ? l.alpha() : 16;
-  o.dropout = l.has_dropout() ? l.dropout() : 0;
+  o.alpha = DoubleOrDefault(l, "alpha");
+  o.dropout = DoubleOrDefault(l, "dropout");
   o.use_rslora = l.has_use_rslora() && l.use_rslora();
   o.target_modules.assign(l.target_modules().begin(), l.target_modules().end());
   if (!adapter_dir.empty()) {
@@ -1062,12 +1040,10 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   RunConfig run;
   MOEFIT_ASSIGN_OR_RETURN(run.model, ResolveModel(c.model()));
 
+  // Every number against its range in proto/config.proto.
+  MOEFIT_RETURN_IF_ERROR(CheckConfigRanges(c));
+
   const proto::TrainConfig& t = c.train();
-  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.steps", t.steps()));
-  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.micro_batch_size", t.micro_batch_size()));
-  MOEFIT_RETURN_IF_ERROR(RequirePositive("train.grad_accum_steps", t.grad_accum_steps()));
-  if (t.seq_len() < 2)
-    return Invalid(absl::StrCat("train.seq_len = ", t.seq_len(), " must be >= 2"));
   if (t.seq_len() > run.model.max_position_embeddings) {
     return Invalid(absl::StrCat(
         "train.seq_len = ", t.seq_len(),
@@ -1080,21 +1056,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   run.train.seed = t.seed();
 
   const proto::OptimizerConfig& op = c.optimizer();
-  if (!(op.lr() > 0)) return Invalid(absl::StrCat("optimizer.lr = ", op.lr(), " must be positive"));
-  if (op.weight_decay() < 0) {
-    return Invalid(absl::StrCat("optimizer.weight_decay = ", op.weight_decay(), " must be >= 0"));
-  }
-  if (op.beta1() < 0 || op.beta1() >= 1) {
-    return Invalid(absl::StrCat("optimizer.beta1 = ", op.beta1(), " must be in [0, 1)"));
-  }
-  if (op.beta2() < 0 || op.beta2() >= 1) {
-    return Invalid(absl::StrCat("optimizer.beta2 = ", op.beta2(), " must be in [0, 1)"));
-  }
-  if (!(op.eps() > 0))
-    return Invalid(absl::StrCat("optimizer.eps = ", op.eps(), " must be positive"));
-  if (op.max_grad_norm() < 0) {
-    return Invalid(absl::StrCat("optimizer.max_grad_norm = ", op.max_grad_norm(), " must be >= 0"));
-  }
   run.train.optimizer = {op.lr(),
                          op.weight_decay(),
                          op.beta1(),
@@ -1103,36 +1064,14 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                          op.max_grad_norm(),
                          op.stochastic_rounding()};
   const proto::ScheduleConfig& sc = c.schedule();
-  if (sc.warmup_steps() < 0) {
-    return Invalid(absl::StrCat("schedule.warmup_steps = ", sc.warmup_steps(), " must be >= 0"));
-  }
-  if (sc.min_lr_ratio() < 0 || sc.min_lr_ratio() > 1) {
-    return Invalid(
-        absl::StrCat("schedule.min_lr_ratio = ", sc.min_lr_ratio(), " must be in [0, 1]"));
-  }
   run.train.schedule = {sc.warmup_steps(), sc.min_lr_ratio()};
-  run.train.bias_update_rate =
-      c.router().has_bias_update_rate() ? c.router().bias_update_rate() : 0.001;
-  if (run.train.bias_update_rate < 0) {
-    return Invalid(
-        absl::StrCat("router.bias_update_rate = ", run.train.bias_update_rate, " must be >= 0"));
-  }
+  run.train.bias_update_rate = DoubleOrDefault(c.router(), "bias_update_rate");
   run.train.metrics_file = c.logging().metrics_file();
   run.train.log_every = c.logging().log_every();
   const proto::LoggingConfig& lg = c.logging();
-  run.train.routing_telemetry = !lg.has_routing_telemetry() || lg.routing_telemetry();
-  if (lg.has_routing_half_life_steps()) {
-    if (!(lg.routing_half_life_steps() > 0)) {
-      return Invalid(absl::StrCat(
-          "logging.routing_half_life_steps = ", lg.routing_half_life_steps(), " must be positive"));
-    }
-    run.train.routing_half_life_steps = lg.routing_half_life_steps();
-  }
+  run.train.routing_telemetry = lg.routing_telemetry();
+  run.train.routing_half_life_steps = lg.routing_half_life_steps();
   run.train.tensorboard_dir = lg.tensorboard_dir();
-  if (lg.expert_map_every_steps() < 0) {
-    return Invalid(absl::StrCat("logging.expert_map_every_steps = ", lg.expert_map_every_steps(),
-                                " must be >= 0"));
-  }
   if (lg.expert_map_every_steps() > 0) {
     if (!run.train.routing_telemetry) {
       return Invalid(
@@ -1172,9 +1111,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   }
   run.experts_dtype_set = !e.dtype().empty();
   MOEFIT_RETURN_IF_ERROR(ResolveLora(c, run));
-  if (e.num_threads() < 0) {
-    return Invalid(absl::StrCat("experts.num_threads = ", e.num_threads(), " must be >= 0"));
-  }
   run.runtime.expert_threads = e.num_threads();
   if (e.thread_pool() == "openmp" || e.thread_pool().empty()) {
     run.runtime.expert_thread_pool = experts::ThreadPool::kOpenMp;
@@ -1190,22 +1126,14 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 " must be between 0 and 1048576 (GiB; 0: pack on every call)"));
   }
   run.runtime.expert_packed_bytes = static_cast<int64_t>(e.packed_weight_gb() * (int64_t{1} << 30));
-  if (e.gpu_cache_experts() < 0) {
-    return Invalid(
-        absl::StrCat("experts.gpu_cache_experts = ", e.gpu_cache_experts(), " must be >= 0"));
-  }
   if (e.gpu_cache_experts() > 0) {
     if (!run.train.routing_telemetry) {
       return Invalid(
           "experts.gpu_cache_experts chooses experts by the decayed counters of "
           "logging.routing_telemetry, which is off");
     }
-    const int64_t every = e.has_gpu_cache_every_steps() ? e.gpu_cache_every_steps() : 1;
-    if (every < 1) {
-      return Invalid(absl::StrCat("experts.gpu_cache_every_steps = ", every, " must be >= 1"));
-    }
     run.train.gpu_cache_experts = e.gpu_cache_experts();
-    run.train.gpu_cache_every_steps = every;
+    run.train.gpu_cache_every_steps = e.gpu_cache_every_steps();
   }
 
   const std::string& dev = c.parallel().device();
@@ -1230,9 +1158,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 ")"));
   }
 
-  if (c.parallel().ep_size() < 0) {
-    return Invalid(absl::StrCat("parallel.ep_size = ", c.parallel().ep_size(), " must be >= 0"));
-  }
   run.ep_size = c.parallel().ep_size();
   const std::vector<std::string> dispatchers = parallel::DispatcherNames();
   if (std::find(dispatchers.begin(), dispatchers.end(), c.parallel().dispatcher()) ==
@@ -1241,15 +1166,7 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
                                 "' is unknown (known: ", absl::StrJoin(dispatchers, ", "), ")"));
   }
   run.runtime.dispatcher = c.parallel().dispatcher();
-  if (c.parallel().dispatch_chunks() < 1) {
-    return Invalid(absl::StrCat("parallel.dispatch_chunks = ", c.parallel().dispatch_chunks(),
-                                " must be >= 1"));
-  }
   run.runtime.dispatch_chunks = c.parallel().dispatch_chunks();
-  if (c.parallel().progress_thread_us() < 0) {
-    return Invalid(absl::StrCat("parallel.progress_thread_us = ", c.parallel().progress_thread_us(),
-                                " must be >= 0 (0: no progress thread)"));
-  }
   run.progress_thread_us = c.parallel().progress_thread_us();
   for (const auto& [name, seconds] :
        {std::pair<const char*, double>{"parallel.timeout_s", c.parallel().timeout_s()},
@@ -1288,10 +1205,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
         "train.recompute = 'experts' or 'none'");
   }
   run.train.allow_tf32 = c.train().allow_tf32();
-  if (c.parallel().ranks_per_gpu() < 1) {
-    return Invalid(
-        absl::StrCat("parallel.ranks_per_gpu = ", c.parallel().ranks_per_gpu(), " must be >= 1"));
-  }
   run.ranks_per_gpu = c.parallel().ranks_per_gpu();
   if (c.parallel().grad_sync() == "overlap") {
     run.train.overlap_grad_sync = true;
@@ -1301,10 +1214,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
     return Invalid(absl::StrCat("parallel.grad_sync = '", c.parallel().grad_sync(),
                                 "' must be overlap or after_backward"));
   }
-  if (c.parallel().grad_bucket_bytes() <= 0) {
-    return Invalid(absl::StrCat("parallel.grad_bucket_bytes = ", c.parallel().grad_bucket_bytes(),
-                                " must be positive"));
-  }
   run.train.grad_bucket_bytes = c.parallel().grad_bucket_bytes();
   run.timeout_s = c.parallel().timeout_s();
   run.startup_timeout_s = c.parallel().startup_timeout_s();
@@ -1312,10 +1221,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   run.model_path = c.model().model_path();
   run.base_config_json = c.model().config_json();
   run.save_dir = c.checkpoint().save_dir();
-  if (c.checkpoint().max_shard_bytes() <= 0) {
-    return Invalid(absl::StrCat("checkpoint.max_shard_bytes = ", c.checkpoint().max_shard_bytes(),
-                                " must be positive"));
-  }
   run.max_shard_bytes = c.checkpoint().max_shard_bytes();
   if (c.checkpoint().save_dtype() == "float32") {
     run.save_dtype = at::kFloat;
@@ -1327,18 +1232,6 @@ absl::StatusOr<RunConfig> ResolveConfig(const proto::Config& c) {
   }
 
   const proto::CheckpointConfig& ck = c.checkpoint();
-  if (ck.save_every_steps() < 0) {
-    return Invalid(absl::StrCat("checkpoint.save_every_steps = ", ck.save_every_steps(),
-                                " must be >= 0 (0 = off)"));
-  }
-  if (!(ck.save_every_minutes() >= 0)) {
-    return Invalid(absl::StrCat("checkpoint.save_every_minutes = ", ck.save_every_minutes(),
-                                " must be >= 0 (0 = off)"));
-  }
-  if (ck.keep_last() < 0) {
-    return Invalid(
-        absl::StrCat("checkpoint.keep_last = ", ck.keep_last(), " must be >= 0 (0 = keep all)"));
-  }
   run.save_every_steps = ck.save_every_steps();
   run.save_every_minutes = ck.save_every_minutes();
   run.keep_last = ck.keep_last();

@@ -52,6 +52,8 @@ struct DataSpec {
   std::string path;    // empty with "text" = the shipped corpus
 };
 
+// A resolved config: every field is filled by ResolveConfig (the defaults and
+// ranges are those of proto/config.proto).
 struct RunConfig {
   framework::ModelOptions model;
   framework::ModelRuntime runtime;
@@ -59,12 +61,12 @@ struct RunConfig {
   int64_t seq_len = 0;
   int ep_size = 0;  // 0 = the world
   // Processes of a node that may share one GPU (parallel/node_devices.h).
-  int ranks_per_gpu = 1;
+  int ranks_per_gpu = 0;
   DataSpec data;
   std::string model_path;        // pretrained weights; empty = random init
   std::string base_config_json;  // config.json the shape came from, if any
   std::string save_dir;          // HF directory written at the end; empty = none
-  int64_t max_shard_bytes = 5'000'000'000;
+  int64_t max_shard_bytes = 0;
   std::optional<at::ScalarType> save_dtype;
   // LoRA (runtime.lora.enabled()): the adapter to start from or to apply
   // (empty = a new one), and whether saves also write the per-expert layout.
@@ -92,8 +94,8 @@ struct RunConfig {
 
   bool training_checkpoints() const { return save_every_steps > 0 || save_every_minutes > 0; }
   // Collective deadlines (parallel.timeout_s, parallel.startup_timeout_s).
-  double timeout_s = 300;
-  double startup_timeout_s = 1800;
+  double timeout_s = 0;
+  double startup_timeout_s = 0;
   // An MPI progress thread polling every this many microseconds while
   // collectives are in flight (parallel.progress_thread_us); 0 = none.
   int64_t progress_thread_us = 0;

@@ -14,7 +14,7 @@
 #include "framework/data.h"
 #include "framework/hf_io.h"
 #include "framework/model.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "parallel/process_groups.h"
 #include "proto/status_macros.h"
 

@@ -16,7 +16,7 @@
 #include "framework/hf_io.h"
 #include "framework/training_checkpoint.h"
 #include "launch/config.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "proto/status_macros.h"
 #include "router/expert_placement.h"
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <string>
 #include <variant>
@@ -54,7 +55,8 @@ ABSL_FLAG(int64_t, eval_sequences, 64, "eval: number of sequences of the data to
 ABSL_FLAG(std::string, save_logits, "", "eval: write the logits for --input_ids to this file");
 ABSL_FLAG(std::string, input_ids, "",
           "eval: safetensors file holding \"input_ids\" [batch, tokens]");
-ABSL_FLAG(int64_t, max_shard_bytes, 5'000'000'000, "export, merge: largest shard in bytes");
+ABSL_FLAG(std::optional<int64_t>, max_shard_bytes, std::nullopt,
+          "export, merge: largest shard in bytes (default: checkpoint.max_shard_bytes's)");
 ABSL_FLAG(std::string, save_dtype, "",
           "export, merge: dtype of the written weights (float32, bfloat16)");
 // plan: the cluster and the run; the four sizes of the cluster are required (0 = not given).
@@ -564,7 +566,8 @@ int Main(int argc, char** argv) {
     return kExitBadInput;
   }
   ExportCommandOptions options;
-  options.max_shard_bytes = absl::GetFlag(FLAGS_max_shard_bytes);
+  options.max_shard_bytes =
+      absl::GetFlag(FLAGS_max_shard_bytes).value_or(DefaultConfig().checkpoint().max_shard_bytes());
   const std::string dtype = absl::GetFlag(FLAGS_save_dtype);
   if (dtype == "bfloat16") {
     options.dtype = at::kBFloat16;

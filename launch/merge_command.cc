@@ -7,7 +7,7 @@
 
 #include "framework/hf_io.h"
 #include "launch/config.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "proto/status_macros.h"
 
 namespace moefit::launch {

@@ -19,7 +19,7 @@
 namespace moefit::launch {
 
 struct MergeCommandOptions {
-  int64_t max_shard_bytes = 5'000'000'000;
+  int64_t max_shard_bytes = 0;  // --max_shard_bytes, else checkpoint.max_shard_bytes's default
   std::optional<at::ScalarType> dtype;  // nullopt: the base checkpoint's
 };
 

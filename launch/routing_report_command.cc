@@ -13,7 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "framework/model.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "proto/status_macros.h"
 #include "router/routing_shares.h"
 

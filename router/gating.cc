@@ -1,4 +1,4 @@
-// Softmax top-k gating and the Switch balance loss; see gating.h.
+// Softmax and sigmoid top-k gating; see gating.h.
 #include "router/gating.h"
 
 #include <ATen/ATen.h>
@@ -53,39 +53,6 @@ TopKRouting SigmoidGroupTopK(const at::Tensor& logits, const at::Tensor& correct
   if (options.norm_topk_prob) weights = weights / (weights.sum(-1, /*keepdim=*/true) + 1e-20);
   out.topk_weight = weights * options.routed_scaling_factor;
   return out;
-}
-
-at::Tensor SequenceBalanceLossSum(const at::Tensor& scores, const at::Tensor& topk_idx,
-                                  int64_t num_sequences) {
-  TORCH_CHECK(num_sequences > 0 && scores.size(0) % num_sequences == 0, scores.size(0),
-              " tokens do not split into ", num_sequences, " sequences");
-  const int64_t num_experts = scores.size(1), k = topk_idx.size(1);
-  const int64_t t = scores.size(0) / num_sequences;
-  at::Tensor normalized = scores / scores.sum(-1, /*keepdim=*/true);
-  at::Tensor p = normalized.view({num_sequences, t, num_experts}).mean(1);  // [S, E]
-  at::Tensor counts =
-      at::zeros({num_sequences, num_experts}, scores.options().requires_grad(false));
-  counts.scatter_add_(1, topk_idx.view({num_sequences, t * k}).to(scores.device()),
-                      at::ones({num_sequences, t * k}, counts.options()));
-  at::Tensor f = counts * (static_cast<double>(num_experts) / static_cast<double>(k * t));
-  return (f * p).sum();
-}
-
-BalanceStats ComputeBalanceStats(const TopKRouting& routing, int64_t num_experts) {
-  BalanceStats stats;
-  stats.prob_sum = routing.probs.sum(0);
-  stats.expert_count =
-      at::bincount(routing.topk_idx.reshape({-1}), /*weights=*/{}, num_experts).to(at::kFloat);
-  stats.num_tokens = routing.probs.size(0);
-  return stats;
-}
-
-at::Tensor LoadBalancingLoss(const at::Tensor& prob_sum, const at::Tensor& expert_count,
-                             int64_t num_tokens, int64_t num_experts) {
-  TORCH_CHECK(num_tokens > 0, "balance loss over zero tokens");
-  const double n = static_cast<double>(num_tokens);
-  return (expert_count.to(prob_sum.device()) / n * (prob_sum / n)).sum() *
-         static_cast<double>(num_experts);
 }
 
 }  // namespace moefit::router

@@ -29,7 +29,7 @@
 #include "framework/model.h"
 #include "framework/training_checkpoint.h"
 #include "launch/config.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "parallel/counting_communicator.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_runtime.h"

@@ -160,11 +160,8 @@ std::atomic<int64_t> stream_above_bytes{LastLevelCacheBytes()};
 // them. Where the new rows are more than the last-level cache holds (see
 // SetStreamAboveBytes), they would be gone from it before the experts'
 // backward reads them, so float32 rows are written with non-temporal stores
-// (those 16-byte aligned). On a 2-core AMD EPYC (Zen 4), the backward of
-// dispatch_bench's one-process sum (32768 rows of 2048) took 39-56 ms so
-// against 61-64 ms for the row-at-a-time spread and dot products it replaced
-// (three runs of each, alternating); the same loop storing as usual was no
-// faster than those. The dot products sum element i into partial sum
+// (those 16-byte aligned; benchmarks/README.md has the measurement behind
+// the choice). The dot products sum element i into partial sum
 // i % 16 (16 interleaved sums the compiler keeps in vector lanes; one running
 // sum it must keep scalar, in order), then the 16 in order.
 struct CollectGrads {

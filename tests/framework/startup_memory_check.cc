@@ -20,9 +20,10 @@
 //       gate/up and -(e + 1) in down) with its config.json;
 //   mpirun -np N startup_memory_check check DIR
 //       every rank starts a run from DIR as `moefit train` does
-//       (launch::BuildModel, experts in bf16, dense part on the CPU, printing
-//       the memory report), checks its own bound and that its experts hold
-//       their values; every rank exits non-zero if any rank failed.
+//       (launch::BuildModel of launch/run_setup.h, experts in bf16, dense
+//       part on the CPU, printing the memory report), checks its own bound
+//       and that its experts hold their values; every rank exits non-zero if
+//       any rank failed.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -42,7 +43,7 @@
 #include "framework/model.h"
 #include "launch/config.h"
 #include "launch/memory_report.h"
-#include "launch/train_command.h"
+#include "launch/run_setup.h"
 #include "parallel/mpi_communicator.h"
 #include "parallel/mpi_runtime.h"
 

@@ -7,6 +7,7 @@
 #include <functional>
 #include <vector>
 
+#include "router/balance.h"
 #include "router/gating.h"
 
 namespace moefit::router {

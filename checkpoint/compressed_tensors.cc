@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "checkpoint/internal/shapes.h"
 
 namespace moefit::checkpoint {
 namespace {
@@ -29,9 +29,7 @@ namespace {
 // Rows handed to one task: a few hundred KB of packed words at Kimi-K2's sizes.
 constexpr int64_t kRowsPerTask = 16;
 
-std::string ShapeString(at::IntArrayRef shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+using internal::ShapeString;
 
 // The stored (unsigned, q + 8) nibble `idx` of a row of bytes.
 inline int Nibble(const uint8_t* bytes, int64_t idx) {

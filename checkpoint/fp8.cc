@@ -20,16 +20,14 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "checkpoint/internal/shapes.h"
 
 namespace moefit::checkpoint {
 namespace {
 
 using Lut = std::array<float, 256>;
 
-std::string ShapeString(at::IntArrayRef shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+using internal::ShapeString;
 
 // The fp32 value of every byte of an FP8 dtype, by torch's conversion.
 Lut BuildLut(at::ScalarType type) {

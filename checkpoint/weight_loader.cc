@@ -57,6 +57,7 @@
 #include "checkpoint/compressed_tensors.h"
 #include "checkpoint/conversion_ops.h"
 #include "checkpoint/fp8.h"
+#include "checkpoint/internal/shapes.h"
 #include "checkpoint/internal/strings.h"
 #include "checkpoint/natural_order.h"
 #include "checkpoint/safetensors_index.h"
@@ -73,9 +74,7 @@ constexpr size_t kMaxNamesInSummary = 8;
 // Contiguous copies larger than this are split over threads.
 constexpr size_t kParallelCopyBlockBytes = size_t{16} << 20;
 
-std::string ShapeString(at::IntArrayRef shape) {
-  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
-}
+using internal::ShapeString;
 
 // A shard: its validated mapping, plus a descriptor for pread() of its data.
 struct OpenedFile {
@@ -1212,14 +1211,14 @@ class Loader {
     return absl::OkStatus();
   }
 
-  // Widens the FP8 source `view` (a view of the mapping) into `dst` with the
-  // source's scales, block by block; its pages are dropped from this process
-  // after, as in Place.
-  absl::Status Dequantize(at::Tensor dst, const at::Tensor& view, const SourceRef& ref) {
-    MOEFIT_ASSIGN_OR_RETURN(at::Tensor scale, ReadTensor(ref.scale_file->file, *ref.scale_info));
+  // Runs `convert` over `ref`'s source bytes, prefetched before and dropped
+  // from this process after, as in Place; an error names the tensor and its
+  // scale.
+  template <typename Convert>
+  absl::Status ConvertSource(const SourceRef& ref, Convert convert) {
     const std::span<const std::byte> bytes = ref.file->file.TensorBytes(*ref.info);
     Prefetch(bytes);
-    const absl::Status done = DequantizeBlockFp8Into(dst, view, scale, options_.fp8_block);
+    const absl::Status done = convert();
     Release(bytes);
     if (!done.ok()) {
       return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
@@ -1229,26 +1228,25 @@ class Loader {
     return absl::OkStatus();
   }
 
+  // Widens the FP8 source `view` (a view of the mapping) into `dst` with the
+  // source's scales, block by block.
+  absl::Status Dequantize(at::Tensor dst, const at::Tensor& view, const SourceRef& ref) {
+    MOEFIT_ASSIGN_OR_RETURN(at::Tensor scale, ReadTensor(ref.scale_file->file, *ref.scale_info));
+    return ConvertSource(
+        ref, [&] { return DequantizeBlockFp8Into(dst, view, scale, options_.fp8_block); });
+  }
+
   // Dequantizes the packed int4 source `view` (a view of the mapping) into
-  // `dst` with the source's scales and zero points, row by row; its pages are
-  // dropped from this process after, as in Place.
+  // `dst` with the source's scales and zero points, row by row.
   absl::Status DequantizeInt4(at::Tensor dst, const at::Tensor& view, const SourceRef& ref) {
     MOEFIT_ASSIGN_OR_RETURN(at::Tensor scale, ReadTensor(ref.scale_file->file, *ref.scale_info));
     at::Tensor zero_point;
     if (ref.zero_info != nullptr) {
       MOEFIT_ASSIGN_OR_RETURN(zero_point, ReadTensor(ref.zero_file->file, *ref.zero_info));
     }
-    const std::span<const std::byte> bytes = ref.file->file.TensorBytes(*ref.info);
-    Prefetch(bytes);
-    const absl::Status done =
-        DequantizePackedInt4Into(dst, view, scale, zero_point, options_.int4->group_size);
-    Release(bytes);
-    if (!done.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat(ref.file->file.name(), ": tensor \"",
-                                                     ref.info->name, "\" with ",
-                                                     ref.scale_info->name, ": ", done.message()));
-    }
-    return absl::OkStatus();
+    return ConvertSource(ref, [&] {
+      return DequantizePackedInt4Into(dst, view, scale, zero_point, options_.int4->group_size);
+    });
   }
 
   // Unpacks one source's zero points (a view of the mapping) into `dst`.

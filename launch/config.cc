@@ -309,9 +309,12 @@ absl::Status MergeHfConfigJson(const std::string& path, proto::ModelConfig* mode
 }
 
 proto::Config DefaultConfig() {
-  proto::Config config;
-  FillConfigDefaults(&config);
-  return config;
+  static const proto::Config* const defaults = [] {
+    auto* config = new proto::Config;
+    FillConfigDefaults(config);
+    return config;
+  }();
+  return *defaults;
 }
 
 int64_t ShardBytes(int64_t given) {

@@ -57,33 +57,19 @@ void ForEachSetting(const pb::Descriptor& config, Fn fn) {
 // A numeric field's value as a double, and as the message prints it.
 std::pair<double, std::string> NumericValue(const pb::Message& m, const pb::FieldDescriptor& f) {
   const pb::Reflection& r = *m.GetReflection();
+  const auto number = [](auto v) {
+    return std::pair<double, std::string>(static_cast<double>(v), absl::StrCat(v));
+  };
   switch (f.cpp_type()) {
-    case pb::FieldDescriptor::CPPTYPE_INT32: {
-      const int32_t v = r.GetInt32(m, &f);
-      return {v, absl::StrCat(v)};
-    }
-    case pb::FieldDescriptor::CPPTYPE_INT64: {
-      const int64_t v = r.GetInt64(m, &f);
-      return {static_cast<double>(v), absl::StrCat(v)};
-    }
-    case pb::FieldDescriptor::CPPTYPE_UINT32: {
-      const uint32_t v = r.GetUInt32(m, &f);
-      return {v, absl::StrCat(v)};
-    }
-    case pb::FieldDescriptor::CPPTYPE_UINT64: {
-      const uint64_t v = r.GetUInt64(m, &f);
-      return {static_cast<double>(v), absl::StrCat(v)};
-    }
-    case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
-      const double v = r.GetDouble(m, &f);
-      return {v, absl::StrCat(v)};
-    }
-    case pb::FieldDescriptor::CPPTYPE_FLOAT: {
-      const float v = r.GetFloat(m, &f);
-      return {v, absl::StrCat(v)};
-    }
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+      return number(r.GetInt32(m, &f));
+    case pb::FieldDescriptor::CPPTYPE_INT64:
+      return number(r.GetInt64(m, &f));
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      return number(r.GetDouble(m, &f));
     default:
-      TORCH_CHECK(false, "config.proto: ", f.full_name(), " has a range but is not a number");
+      TORCH_CHECK(false, "config.proto: ", f.full_name(),
+                  " has a range but is not an int32, int64 or double");
   }
 }
 

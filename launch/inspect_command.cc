@@ -1,8 +1,9 @@
 // The inspect command; see inspect_command.h.
 #include "launch/inspect_command.h"
 
+#include <ATen/ATen.h>
+
 #include <algorithm>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <limits>
@@ -11,7 +12,6 @@
 #include <optional>
 #include <regex>
 #include <set>
-#include <span>
 #include <sstream>
 #include <string_view>
 
@@ -23,6 +23,7 @@
 #include "checkpoint/fp8.h"
 #include "checkpoint/natural_order.h"
 #include "checkpoint/safetensors.h"
+#include "checkpoint/tensor_io.h"
 #include "checkpoint/training_manifest.h"
 #include "proto/status_macros.h"
 
@@ -90,24 +91,13 @@ bool IsPackedWeight(const std::string& name) {
 // from the file; nullopt when it is not a 1-D I32 / I64 tensor.
 std::optional<int64_t> ShapeNumel(const checkpoint::SafetensorsFile& file,
                                   const checkpoint::TensorInfo& t) {
-  const int width = t.dtype == checkpoint::Dtype::kI64   ? 8
-                    : t.dtype == checkpoint::Dtype::kI32 ? 4
-                                                         : 0;
-  if (width == 0 || t.shape.size() != 1) return std::nullopt;
-  const std::span<const std::byte> bytes = file.TensorBytes(t);
-  int64_t numel = 1;
-  for (size_t offset = 0; offset + width <= bytes.size(); offset += width) {
-    int64_t value = 0;
-    if (width == 8) {
-      std::memcpy(&value, bytes.data() + offset, 8);
-    } else {
-      int32_t narrow = 0;
-      std::memcpy(&narrow, bytes.data() + offset, 4);
-      value = narrow;
-    }
-    numel *= value;
+  if ((t.dtype != checkpoint::Dtype::kI64 && t.dtype != checkpoint::Dtype::kI32) ||
+      t.shape.size() != 1) {
+    return std::nullopt;
   }
-  return numel;
+  absl::StatusOr<at::Tensor> shape = checkpoint::ReadTensor(file, t, {.dtype = at::kLong});
+  if (!shape.ok()) return std::nullopt;
+  return shape->prod().item<int64_t>();
 }
 
 // One group of config.json's compressed-tensors quantization_config, as

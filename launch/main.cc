@@ -7,6 +7,7 @@
 // every command runs collectively, and any rank's failure ends every rank.
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -401,14 +402,13 @@ int PlanCommand(const Args& args) {
   }
   in.packed_weight_gib = absl::GetFlag(FLAGS_packed_weight_gb);
   const std::string isa = absl::GetFlag(FLAGS_cpu_isa);
-  if (isa == "avx2") {
-    in.cpu_isa = PlanIsa::kAvx2;
-  } else if (isa == "avx512") {
-    in.cpu_isa = PlanIsa::kAvx512;
-  } else if (isa == "avx512_bf16") {
-    in.cpu_isa = PlanIsa::kAvx512Bf16;
-  } else if (isa == "amx_bf16") {
-    in.cpu_isa = PlanIsa::kAmxBf16;
+  const auto* planned = std::find_if(
+      std::begin(experts::kernels::kAllIsas), std::end(experts::kernels::kAllIsas),
+      [&](experts::kernels::Isa i) {
+        return i != experts::kernels::Isa::kPortable && experts::kernels::IsaName(i) == isa;
+      });
+  if (planned != std::end(experts::kernels::kAllIsas)) {
+    in.cpu_isa = *planned;
   } else {
     std::cerr << "moefit: --cpu-isa = '" << isa << "' must be avx2, avx512, avx512_bf16 or amx_bf16"
               << std::endl;
@@ -571,7 +571,7 @@ int Main(int argc, char** argv) {
     std::cerr << "moefit: --max_shard_bytes = " << *shard_bytes << " must be positive" << std::endl;
     return kExitBadInput;
   }
-  options.max_shard_bytes = ShardBytes(shard_bytes.value_or(0));
+  options.max_shard_bytes = shard_bytes.value_or(0);  // 0: the commands take the default
   const std::string dtype = absl::GetFlag(FLAGS_save_dtype);
   if (dtype == "bfloat16") {
     options.dtype = at::kBFloat16;

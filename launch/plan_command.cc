@@ -13,6 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "checkpoint/compressed_tensors.h"
+#include "experts/expert_backend.h"
 #include "launch/config.h"
 #include "proto/config.pb.h"
 #include "proto/status_macros.h"
@@ -29,13 +31,6 @@ constexpr int64_t kBf16Bytes = 2;
 // FP8 checkpoints (DeepSeek-V3, Kimi-K2) carry one fp32 scale per block of
 // kFp8Block x kFp8Block weights.
 constexpr int64_t kFp8Block = 128;
-// int4 checkpoints (compressed-tensors' pack-quantized: Kimi-K2-Thinking,
-// Kimi-K2.5) store eight 4-bit weights per 32-bit word, rows padded to whole
-// words, and a bf16 scale per group of inputs: kInt4Group unless the model's
-// quantization_config or --int4-group-size says otherwise.
-constexpr int64_t kInt4PerWord = 8;
-constexpr int64_t kInt4WordBytes = 4;
-constexpr int64_t kInt4Group = 32;
 // AdamW keeps two states, m and v, per trained weight.
 constexpr int64_t kAdamStates = 2;
 // A LoRA parameter is trained in fp32: weight, gradient, m and v.
@@ -59,20 +54,6 @@ const char* DtypeName(PlanDtype d) {
       return "fp8";
     case PlanDtype::kInt4:
       return "int4";
-  }
-  return "?";
-}
-
-const char* IsaName(PlanIsa isa) {
-  switch (isa) {
-    case PlanIsa::kAvx2:
-      return "avx2";
-    case PlanIsa::kAvx512:
-      return "avx512";
-    case PlanIsa::kAvx512Bf16:
-      return "avx512_bf16";
-    case PlanIsa::kAmxBf16:
-      return "amx_bf16";
   }
   return "?";
 }
@@ -102,14 +83,15 @@ int64_t ExpertsOnLargestNode(int64_t num_experts, int64_t nodes) {
 // point per group.
 int64_t Int4MatrixBytes(int64_t rows, int64_t cols, int64_t group, bool zero_points) {
   const int64_t per_group = kBf16Bytes + (zero_points ? 1 : 0);
-  return rows * (CeilDiv(cols, kInt4PerWord) * kInt4WordBytes + CeilDiv(cols, group) * per_group);
+  return rows * (experts::Int4RowBytes(cols) + checkpoint::NumInt4Groups(cols, group) * per_group);
 }
 
 // The group size int4 experts are planned with: --int4-group-size, else the
-// model's compressed-tensors quantization_config, else kInt4Group.
+// model's compressed-tensors quantization_config, else the groups moefit
+// quantizes random experts in (ModelRuntime::int4_group_size).
 int64_t Int4GroupSize(const ModelOptions& o, const PlanInputs& in) {
   if (in.int4_group_size) return *in.int4_group_size;
-  return o.int4_weights ? o.int4_weights->group_size : kInt4Group;
+  return o.int4_weights ? o.int4_weights->group_size : framework::ModelRuntime{}.int4_group_size;
 }
 
 // Whether int4 experts carry an int8 zero point per group (an asymmetric
@@ -137,7 +119,7 @@ int64_t ExpertBytes(const ModelOptions& o, PlanDtype d, int64_t int4_group) {
 // kernels multiply bfloat16 pairs, which keep bf16 and int4 weights as
 // bfloat16 and FP8 ones as their bytes (when n is a multiple of 32 and k even).
 int64_t PackBytesPerWeight(PlanDtype d, PlanIsa isa, int64_t k, int64_t n) {
-  const bool pairs = isa == PlanIsa::kAvx512Bf16 || isa == PlanIsa::kAmxBf16;
+  const bool pairs = experts::kernels::MultipliesInBf16(isa);
   if (!pairs || d == PlanDtype::kFp32) return kFp32Bytes;
   if (d == PlanDtype::kFp8 && n % 32 == 0 && k % 2 == 0) return 1;
   return kBf16Bytes;
@@ -368,7 +350,7 @@ nlohmann::json ToJson(const std::string& path, const ModelOptions& o, const Plan
                  {"seq_len", in.seq_len},
                  {"micro_batch", in.micro_batch},
                  {"packed_weight_gb", in.packed_weight_gib},
-                 {"cpu_isa", IsaName(in.cpu_isa)}};
+                 {"cpu_isa", std::string(experts::kernels::IsaName(in.cpu_isa))}};
   if (in.expert_dtype == PlanDtype::kInt4) j["inputs"]["int4_group_size"] = p.int4_group_size;
   j["parameters"] = {{"total", p.params.total},
                      {"active", p.params.active},
@@ -450,10 +432,10 @@ void PrintText(const std::string& path, const ModelOptions& o, const PlanInputs&
     out << Line("  their AdamW m and v (fp32)", p.ram.expert_optimizer);
   } else {
     out << Line("LoRA adapters on the experts (fp32 weights, grads, m, v)", p.ram.lora);
-    out << Line(
-        absl::StrFormat("kernels' kept packs (%d x %d experts, %s, %g GiB)", in.gpus_per_node,
-                        p.ram.experts_per_process, IsaName(in.cpu_isa), in.packed_weight_gib),
-        p.ram.expert_packs);
+    out << Line(absl::StrFormat("kernels' kept packs (%d x %d experts, %s, %g GiB)",
+                                in.gpus_per_node, p.ram.experts_per_process,
+                                experts::kernels::IsaName(in.cpu_isa), in.packed_weight_gib),
+                p.ram.expert_packs);
   }
   out << Line(absl::StrFormat("expert activations for backward (%d rows x %d layers)",
                               p.rows_per_node, c.num_moe_layers),

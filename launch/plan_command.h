@@ -22,6 +22,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "experts/kernels/isa.h"
 #include "framework/model_options.h"
 
 namespace moefit::launch {
@@ -35,11 +36,12 @@ enum class PlanMode { kFull, kLora };
 // Kimi-K2-Thinking and Kimi-K2.5 ship) can only be frozen.
 enum class PlanDtype { kFp32, kBf16, kFp8, kInt4 };
 
-// The expert kernels' instruction set on the nodes (experts/kernels/isa.h):
-// it sets how large the kernels' kept packs of the frozen weights are. From
-// avx512_bf16 up they multiply bfloat16 pairs, and a pack holds 2 bytes per
-// bfloat16 or int4 weight and 1 per FP8 one; below, float32 panels of 4 bytes.
-enum class PlanIsa { kAvx2, kAvx512, kAvx512Bf16, kAmxBf16 };
+// The expert kernels' instruction set on the nodes: it sets how large the
+// kernels' kept packs of the frozen weights are. From avx512_bf16 up they
+// multiply bfloat16 pairs, and a pack holds 2 bytes per bfloat16 or int4
+// weight and 1 per FP8 one; below, float32 panels of 4 bytes. The portable
+// kernels are not planned for.
+using PlanIsa = experts::kernels::Isa;
 
 struct PlanInputs {
   int64_t nodes = 0;

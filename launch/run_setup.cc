@@ -116,12 +116,6 @@ absl::StatusOr<ParallelModel> BuildModel(const RunConfig& run_in,
           run.model_path, " are not FP8 with block scales (_scale_inv or _scale)"));
     }
   }
-  // int4 experts are allocated in the checkpoint's scheme (its
-  // quantization_config's groups and zero points), else in groups of 32.
-  if (run.runtime.expert_dtype == at::kByte && run.model.int4_weights) {
-    run.runtime.int4_group_size = run.model.int4_weights->group_size;
-    run.runtime.int4_zero_points = !run.model.int4_weights->symmetric;
-  }
   // Weights that are loaded next are only allocated: no random draw, and the
   // loader fills the model's own tensors, so they are in memory once.
   const framework::WeightInit init = run.model_path.empty() && !run.weights_from_checkpoint

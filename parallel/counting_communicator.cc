@@ -3,23 +3,16 @@
 
 #include <utility>
 
+#include "parallel/internal/collective_checks.h"
+
 namespace moefit::parallel {
 namespace {
 
-// Bytes of one row (a slice along dim 0), also for a tensor of no rows.
-int64_t RowBytes(const at::Tensor& t) {
-  int64_t elements = 1;
-  for (int64_t d = 1; d < t.dim(); ++d) elements *= t.size(d);
-  return elements * static_cast<int64_t>(t.element_size());
-}
+using internal::RowBytes;
 
 // Bytes of the rows to (or from) every rank but `self`.
 int64_t ToOthers(absl::Span<const int64_t> row_counts, int self, int64_t row_bytes) {
-  int64_t rows = 0;
-  for (size_t q = 0; q < row_counts.size(); ++q) {
-    if (static_cast<int>(q) != self) rows += row_counts[q];
-  }
-  return rows * row_bytes;
+  return (internal::Total(row_counts) - row_counts[static_cast<size_t>(self)]) * row_bytes;
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "framework/trainer.h"
+#include "router/balance.h"
 
 namespace moefit::framework {
 
@@ -59,13 +60,12 @@ void RoutingTelemetry::AddMicroBatch(const at::Tensor& global_sums,
     const double* row = p + l * columns_.width();
     double loss = 0;
     if (model.scoring == RouterScoring::kSoftmax) {
-      double assignments = 0;
-      for (int64_t x = 0; x < e; ++x) assignments += row[x];
-      const double tokens = assignments / static_cast<double>(model.num_experts_per_tok);
+      // The Switch loss of this layer alone, in double.
+      const at::Tensor counts = s[l].narrow(0, 0, e);
+      const int64_t tokens = std::llround(counts.sum().item<double>()) / model.num_experts_per_tok;
       if (tokens <= 0) continue;
-      for (int64_t x = 0; x < e; ++x)
-        loss += row[x] / tokens * (row[columns_.prob_sum() + x] / tokens);
-      loss *= static_cast<double>(e);
+      loss = router::LoadBalancingLoss(s[l].narrow(0, columns_.prob_sum(), e), counts, tokens, e)
+                 .item<double>();
       has_balance_loss_ = true;
     } else if (model.aux_loss_alpha > 0) {
       loss = row[columns_.seq_balance_sum()] / static_cast<double>(num_sequences);

@@ -41,9 +41,10 @@ HotExpertCachePolicy::Change HotExpertCachePolicy::Update(int64_t step,
                    [&](int64_t a, int64_t b) { return load[a] < load[b]; });
   size_t next = 0;  // the hottest outsider not yet taken
   // Free slots first.
-  while (num_cached_ < options_.capacity && next < outside.size() && load[outside[next]] > 0) {
+  int64_t cached = static_cast<int64_t>(inside.size());
+  while (cached < options_.capacity && next < outside.size() && load[outside[next]] > 0) {
     change.admit.push_back(outside[next++]);
-    ++num_cached_;
+    ++cached;
   }
   // Then trades, each outsider against the coldest insider left, while the
   // outsider beats it by the margin.

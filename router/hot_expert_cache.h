@@ -83,7 +83,6 @@ class HotExpertCachePolicy {
   HotExpertCacheOptions options_;
   double one_plus_decay_ = 2;
   std::vector<uint8_t> cached_;
-  int64_t num_cached_ = 0;
 };
 
 }  // namespace moefit::router

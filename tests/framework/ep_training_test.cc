@@ -50,13 +50,7 @@ struct Result {
 // moving fast enough to change routing within the 5 steps).
 std::vector<std::string> FamilySets(const std::string& family) {
   if (family == "deepseek_v3") {
-    return {"model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
-            "model.q_lora_rank=24",         "model.kv_lora_rank=16",
-            "model.qk_nope_head_dim=16",    "model.qk_rope_head_dim=8",
-            "model.v_head_dim=16",          "model.n_group=4",
-            "model.topk_group=2",           "model.first_k_dense_replace=1",
-            "model.num_hidden_layers=3",    "model.aux_loss_alpha=0.01",
-            "router.bias_update_rate=0.01"};
+    return kSmallDeepseekV3;
   }
   if (family == "glm4_moe") {
     return {"model.model_type=glm4_moe",

@@ -16,14 +16,12 @@
 
 #include <algorithm>
 #include <set>
-#include <sstream>
 
 #include "framework/data.h"
 #include "framework/model.h"
 #include "framework/step_summaries.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
-#include "launch/corpus.h"
 #include "tests/framework/test_configs.h"
 
 namespace moefit::framework {
@@ -43,14 +41,10 @@ Trained Train(launch::RunConfig run, bool cache, bool rotate = false) {
     run.train.gpu_cache_experts = 5;  // of 2 layers x 8 experts
     run.train.gpu_cache_every_steps = 1;
   }
-  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
-  EXPECT_TRUE(data.ok()) << data.status();
   auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
   EXPECT_TRUE(model.ok()) << model.status();
-  Trainer trainer(**model, *data, run.train);
-  std::ostringstream log;
   MoeModel& m = **model;
-  auto stats = trainer.Run(log, [&](const StepStats& st) {
+  std::vector<StepStats> stats = TrainOnCorpus(m, run, [&](const StepStats& st) {
     if (!rotate) return;
     for (const LayerLoad& ll : st.moe_layers) {
       std::vector<int64_t> pair = {st.step % 8, (st.step + 3) % 8};
@@ -58,8 +52,7 @@ Trained Train(launch::RunConfig run, bool cache, bool rotate = false) {
       m.SetCachedExperts(ll.layer_idx, pair);
     }
   });
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  Trained out{*stats, {}};
+  Trained out{std::move(stats), {}};
   for (const Parameter& p : (*model)->trainable_parameters()) {
     out.params[p.name] = p.tensor.detach().clone();
   }

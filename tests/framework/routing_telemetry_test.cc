@@ -11,13 +11,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <sstream>
 
 #include "framework/data.h"
 #include "framework/model.h"
 #include "framework/trainer.h"
 #include "launch/config.h"
-#include "launch/corpus.h"
 #include "router/routing_stats.h"
 #include "tests/framework/test_configs.h"
 
@@ -39,25 +37,11 @@ struct TrainedRun {
 };
 
 TrainedRun Train(const launch::RunConfig& run) {
-  auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
-  EXPECT_TRUE(data.ok()) << data.status();
   auto model = MoeModel::Create(run.model, run.runtime, run.train.seed);
   EXPECT_TRUE(model.ok()) << model.status();
-  Trainer trainer(**model, *data, run.train);
-  std::ostringstream log;
-  auto stats = trainer.Run(log);
-  EXPECT_TRUE(stats.ok()) << stats.status();
-  return {*stats, std::move(*model)};
+  std::vector<StepStats> steps = TrainOnCorpus(**model, run);
+  return {std::move(steps), std::move(*model)};
 }
-
-const std::vector<std::string> kDeepseek = {
-    "model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
-    "model.q_lora_rank=24",         "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=16",    "model.qk_rope_head_dim=8",
-    "model.v_head_dim=16",          "model.n_group=4",
-    "model.topk_group=2",           "model.first_k_dense_replace=1",
-    "model.num_hidden_layers=3",    "model.aux_loss_alpha=0.01",
-    "router.bias_update_rate=0.01"};
 
 TEST(RoutingTelemetry, DecayedCountersFollowTheReportedCounts) {
   launch::RunConfig run =
@@ -104,7 +88,7 @@ TEST(RoutingTelemetry, OneLayersSwitchLossIsTheModelsBalanceLoss) {
 // The sequence-wise loss adds up over layers: the layers' losses sum to the
 // model's; the correction biases' spread is that of the biases after the step.
 TEST(RoutingTelemetry, SigmoidLayerLossesSumToTheModelsAndBiasesSpread) {
-  TrainedRun r = Train(DemoRunConfig(Small(kDeepseek)));
+  TrainedRun r = Train(DemoRunConfig(Small(kSmallDeepseekV3)));
   for (const StepStats& s : r.steps) {
     ASSERT_EQ(s.moe_layers.size(), 2u);  // layer 0 is dense
     double sum = 0;

@@ -31,13 +31,28 @@ inline launch::RunConfig DemoRunConfig(const std::vector<std::string>& sets) {
   return *r;
 }
 
-// run.train's steps of `model` on the shipped corpus (sequences of run.seq_len).
-inline std::vector<StepStats> TrainOnCorpus(MoeModel& model, const launch::RunConfig& run) {
+// A small DeepSeek-V3 (latent attention, grouped sigmoid routing, a dense
+// first layer, the sequence-wise loss and a moving correction bias) over the
+// demo config.
+inline const std::vector<std::string> kSmallDeepseekV3 = {
+    "model.model_type=deepseek_v3", "model.router_aux_loss_coef=0",
+    "model.q_lora_rank=24",         "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=16",    "model.qk_rope_head_dim=8",
+    "model.v_head_dim=16",          "model.n_group=4",
+    "model.topk_group=2",           "model.first_k_dense_replace=1",
+    "model.num_hidden_layers=3",    "model.aux_loss_alpha=0.01",
+    "router.bias_update_rate=0.01"};
+
+// run.train's steps of `model` on the shipped corpus (sequences of run.seq_len);
+// `after_step` as Trainer::Run takes it.
+inline std::vector<StepStats> TrainOnCorpus(
+    MoeModel& model, const launch::RunConfig& run,
+    const std::function<void(const StepStats&)>& after_step = {}) {
   auto data = TokenDataset::FromText(launch::ShippedCorpus(), run.seq_len, "corpus");
   EXPECT_TRUE(data.ok()) << data.status();
   Trainer trainer(model, *data, run.train);
   std::ostringstream log;
-  auto stats = trainer.Run(log);
+  auto stats = trainer.Run(log, after_step);
   EXPECT_TRUE(stats.ok()) << stats.status();
   return *stats;
 }

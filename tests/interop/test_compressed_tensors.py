@@ -24,6 +24,7 @@ from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfi
                                              QuantizationScheme)
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
+from test_fp8 import load  # safetensors_tool load, as the FP8 tests run it
 
 EXPERTS = 4
 MOE = "model.layers.1.mlp."  # layer 0 is dense (first_k_dense_replace 1)
@@ -92,13 +93,6 @@ def int4_model(request, tmp_path_factory):
         quantization_status="compressed", ignore=IGNORE).model_dump()
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     return path, tensors, dense, quantized, scheme
-
-
-def load(tool, src, out, *flags):
-    result = subprocess.run([str(tool), "load", str(src), "deepseek_v3", str(out), *map(str, flags)],
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout), load_file(str(out))
 
 
 def int4_flag(scheme):
@@ -316,19 +310,15 @@ def test_eval_keeps_int4_experts_with_the_logits_of_transformers(build_dir, int4
     backend the int4 experts give exactly the logits of their bfloat16
     dequantization (an int4 element is a bfloat16 value on every instruction
     set), and two processes give the logits of one."""
-    from test_reference_model import moefit
+    from test_reference_model import moefit_logits
 
     src, tensors, dense, quantized, scheme = int4_model
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(2))
-    save_file({"input_ids": ids}, str(tmp_path / "ids.safetensors"))
 
     def logits(*extra, np=1):
-        out = tmp_path / f"logits_{len(list(tmp_path.glob('logits_*')))}.safetensors"
-        log = moefit(build_dir, "eval", "--set", f"model.model_path={src}", *extra,
-                     "--save-logits", out, "--input-ids", tmp_path / "ids.safetensors", np=np)
-        return log, load_file(str(out))["logits"]
+        return moefit_logits(build_dir, src, ids, tmp_path, *extra, np=np)
 
-    _, int4 = logits()
+    int4 = logits()
     reference = reference_model(src, tensors, dense, quantized, scheme, tmp_path)
     with torch.no_grad():
         expected = reference(input_ids=ids).logits.float()
@@ -336,12 +326,12 @@ def test_eval_keeps_int4_experts_with_the_logits_of_transformers(build_dir, int4
     print(f"eval int4 (group {scheme.weights.group_size}, symmetric {scheme.weights.symmetric}) "
           f"vs transformers on the decompressed model: max |logit difference| {err:.3g}")
     assert err < 5e-3
-    _, bf16 = logits("--set", "experts.dtype=bfloat16")
+    bf16 = logits("--set", "experts.dtype=bfloat16")
     assert torch.equal(int4, bf16)
-    _, int4_eager = logits("--set", "experts.backend=eager")
-    _, bf16_eager = logits("--set", "experts.backend=eager", "--set", "experts.dtype=bfloat16")
+    int4_eager = logits("--set", "experts.backend=eager")
+    bf16_eager = logits("--set", "experts.backend=eager", "--set", "experts.dtype=bfloat16")
     assert torch.equal(int4_eager, bf16_eager)
-    _, two = logits(np=2)
+    two = logits(np=2)
     assert (two - int4).abs().max().item() < 1e-4
 
 
@@ -352,20 +342,13 @@ def test_lora_on_int4_experts_loads_in_peft(build_dir, int4_model, tmp_path):
     the adapter on transformers' model of the decompressed weights with
     moefit's logits (within 5e-3: the experts compute in bfloat16)."""
     from peft import PeftModel
-    from test_reference_model import moefit, moefit_logits
+    from test_fp8 import train_lora
+    from test_reference_model import moefit_logits
 
     src, tensors, dense, quantized, scheme = int4_model
 
     def train(out, *extra):
-        metrics = out.with_suffix(".jsonl")
-        log = moefit(build_dir, "train", "--set", f"model.model_path={src}", "--set", "train.steps=4",
-                     "--set", "train.seq_len=32", "--set", "train.micro_batch_size=2",
-                     "--set", "optimizer.lr=2e-2", "--set", "schedule.warmup_steps=0",
-                     "--set", "train.mode=lora", "--set", "lora.rank=4", "--set", "lora.alpha=8",
-                     "--set", "lora.target_modules=[q_a_proj,kv_b_proj,o_proj,experts]",
-                     "--set", f"checkpoint.save_dir={out}", "--set", f"logging.metrics_file={metrics}",
-                     "--set", "experts.num_threads=1", *extra, np=2)
-        return log, [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        return train_lora(build_dir, src, out, "--set", "experts.num_threads=1", *extra, np=2)
 
     log, int4 = train(tmp_path / "int4")
     assert "frozen base in bfloat16 (dense) and int4 (experts)" in log, log

@@ -20,7 +20,8 @@ Every tensor is drawn from its own seeded generator and written as it is
 drawn (the files are streamed, never held whole): the three formats quantize
 the same draw. Then, per format, `moefit train` runs LoRA (rank 16 on the
 attention projections and every routed expert, dense layers on the CPU) from
-the directory at 1 and 2 processes (mpirun, one compute thread each at 2),
+the directory at 1 and 2 processes (mpirun; each of N processes gets
+--threads / N compute threads, --threads defaulting to the core count),
 each from a cold page cache, and the benchmark prints per format and process
 count:
 

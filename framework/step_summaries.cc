@@ -1,5 +1,7 @@
-// A training step's TensorBoard summary; see step_summaries.h.
+// A training step's metrics line and TensorBoard summary; see step_summaries.h.
 #include "framework/step_summaries.h"
+
+#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <string>
@@ -9,6 +11,61 @@
 #include "framework/tensorboard_writer.h"
 
 namespace moefit::framework {
+
+proto::StepMetrics StepMetricsOf(const StepStats& st, const TrainOptions& o, double tokens_per_s,
+                                 double eta_s) {
+  proto::StepMetrics m;
+  m.set_step(st.step);
+  m.set_total_steps(o.steps);
+  m.set_loss(st.loss);
+  m.set_aux_loss(st.aux_loss);
+  m.set_lr(st.lr);
+  m.set_grad_norm(st.grad_norm);
+  m.set_tokens_per_s(tokens_per_s);
+  m.set_eta_s(eta_s);
+  m.set_tokens(st.tokens);
+  m.set_step_s(st.seconds);
+  m.set_expert_s(st.expert_seconds);
+  m.set_comm_s(st.comm_seconds);
+  m.set_optimizer_s(st.optimizer_seconds);
+  m.set_pcie_bytes(st.pcie_bytes);
+  m.set_host_rss_bytes(st.host_rss_bytes);
+  m.set_host_peak_bytes(st.host_peak_bytes);
+  m.set_gpu_allocated_bytes(st.gpu_allocated_bytes);
+  m.set_gpu_peak_bytes(st.gpu_peak_bytes);
+  if (o.routing_telemetry) m.set_routing_half_life_steps(o.routing_half_life_steps);
+  if (st.gpu_cache) m.set_gpu_cache_share(st.gpu_cache_share);
+  for (const LayerLoad& ll : st.moe_layers) {
+    proto::LayerLoad* pl = m.add_moe_layers();
+    pl->set_layer(ll.layer_idx);
+    for (int64_t c : ll.tokens_per_expert) pl->add_tokens_per_expert(c);
+    pl->set_max_over_mean(ll.max_over_mean);
+    pl->set_cv(ll.cv);
+    for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
+    pl->set_router_entropy(ll.router_entropy);
+    for (int64_t x : ll.gpu_experts) pl->add_gpu_experts(static_cast<int32_t>(x));
+    if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
+    if (ll.correction_bias) {
+      proto::Spread* b = pl->mutable_correction_bias();
+      b->set_min(ll.correction_bias->min);
+      b->set_max(ll.correction_bias->max);
+      b->set_mean(ll.correction_bias->mean);
+      b->set_std(ll.correction_bias->std);
+    }
+  }
+  return m;
+}
+
+absl::StatusOr<std::string> MetricsLine(const proto::StepMetrics& m) {
+  std::string line;
+  google::protobuf::util::JsonPrintOptions jo;
+  jo.preserve_proto_field_names = true;
+  jo.always_print_primitive_fields = true;
+  if (!google::protobuf::util::MessageToJsonString(m, &line, jo).ok()) {
+    return absl::InternalError("cannot serialize metrics");
+  }
+  return line;
+}
 
 tensorboard::Summary StepSummary(const StepStats& st, double tokens_per_s) {
   tensorboard::Summary s;

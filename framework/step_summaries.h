@@ -1,5 +1,6 @@
-// What a training step shows in TensorBoard: StepStats as one
-// tensorboard::Summary (framework/tensorboard_writer.h), and as an expert map
+// What a training step shows: StepStats as a line of the metrics file
+// (proto/metrics.proto), as one tensorboard::Summary
+// (framework/tensorboard_writer.h), and as an expert map
 // (framework/expert_map.h).
 //
 // Tags, grouped by their first component (TensorBoard's sections):
@@ -21,11 +22,24 @@
 // TrainOptions::routing_telemetry.
 #pragma once
 
+#include <string>
+
+#include "absl/status/statusor.h"
 #include "framework/expert_map.h"
 #include "framework/trainer.h"
+#include "proto/metrics.pb.h"
 #include "proto/tensorboard_event.pb.h"
 
 namespace moefit::framework {
+
+// A step's metrics: its stats, the run's steps (options.steps) and half-life
+// (with routing telemetry), its tokens per second and the time left.
+proto::StepMetrics StepMetricsOf(const StepStats& stats, const TrainOptions& options,
+                                 double tokens_per_s, double eta_s);
+
+// The metrics file's line of `m`: JSON, every field under its proto name,
+// zeros included.
+absl::StatusOr<std::string> MetricsLine(const proto::StepMetrics& m);
 
 tensorboard::Summary StepSummary(const StepStats& stats, double tokens_per_s);
 

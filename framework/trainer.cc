@@ -2,7 +2,6 @@
 #include "framework/trainer.h"
 
 #include <ATen/ATen.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <chrono>
@@ -25,7 +24,7 @@
 #include "parallel/grad_sync.h"
 #include "parallel/local_communicator.h"
 #include "parallel/progress.h"
-#include "proto/metrics.pb.h"
+#include "proto/status_macros.h"
 #include "router/balance.h"
 #include "router/hot_expert_cache.h"
 
@@ -294,9 +293,9 @@ StepStats Trainer::Step(int64_t step) {
         // HF's balance loss over all MoE layers' decisions on this micro-batch
         // of the global batch: counts and token totals are summed over ranks,
         // each rank adds its share of the probability mass.
-        at::Tensor aux = router::StepLoadBalancingLoss(
-            SumOverLayers(out.moe_layers, &MoeLayerRouting::prob_sum), layer_counts,
-            mo.num_experts_per_tok);
+        at::Tensor aux =
+            router::StepLoadBalancingLoss(SumOverLayers(out.moe_layers, &MoeLayerRouting::prob_sum),
+                                          layer_counts, mo.num_experts_per_tok);
         aux_here += aux.item<double>();
         if (mo.router_aux_loss_coef > 0) {
           loss = loss + aux * (mo.router_aux_loss_coef / static_cast<double>(o.grad_accum_steps));
@@ -412,52 +411,8 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
           << std::endl;
     }
     if (metrics.is_open()) {
-      proto::StepMetrics m;
-      m.set_step(st.step);
-      m.set_total_steps(o.steps);
-      m.set_loss(st.loss);
-      m.set_aux_loss(st.aux_loss);
-      m.set_lr(st.lr);
-      m.set_grad_norm(st.grad_norm);
-      m.set_tokens_per_s(tok_s);
-      m.set_eta_s(eta);
-      m.set_tokens(st.tokens);
-      m.set_step_s(st.seconds);
-      m.set_expert_s(st.expert_seconds);
-      m.set_comm_s(st.comm_seconds);
-      m.set_optimizer_s(st.optimizer_seconds);
-      m.set_pcie_bytes(st.pcie_bytes);
-      m.set_host_rss_bytes(st.host_rss_bytes);
-      m.set_host_peak_bytes(st.host_peak_bytes);
-      m.set_gpu_allocated_bytes(st.gpu_allocated_bytes);
-      m.set_gpu_peak_bytes(st.gpu_peak_bytes);
-      if (o.routing_telemetry) m.set_routing_half_life_steps(o.routing_half_life_steps);
-      if (st.gpu_cache) m.set_gpu_cache_share(st.gpu_cache_share);
-      for (const LayerLoad& ll : st.moe_layers) {
-        proto::LayerLoad* pl = m.add_moe_layers();
-        pl->set_layer(ll.layer_idx);
-        for (int64_t c : ll.tokens_per_expert) pl->add_tokens_per_expert(c);
-        pl->set_max_over_mean(ll.max_over_mean);
-        pl->set_cv(ll.cv);
-        for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
-        pl->set_router_entropy(ll.router_entropy);
-        for (int64_t x : ll.gpu_experts) pl->add_gpu_experts(static_cast<int32_t>(x));
-        if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
-        if (ll.correction_bias) {
-          proto::Spread* b = pl->mutable_correction_bias();
-          b->set_min(ll.correction_bias->min);
-          b->set_max(ll.correction_bias->max);
-          b->set_mean(ll.correction_bias->mean);
-          b->set_std(ll.correction_bias->std);
-        }
-      }
-      std::string line;
-      google::protobuf::util::JsonPrintOptions jo;
-      jo.preserve_proto_field_names = true;
-      jo.always_print_primitive_fields = true;
-      if (!google::protobuf::util::MessageToJsonString(m, &line, jo).ok()) {
-        return absl::InternalError("cannot serialize metrics");
-      }
+      MOEFIT_ASSIGN_OR_RETURN(const std::string line,
+                              MetricsLine(StepMetricsOf(st, o, tok_s, eta)));
       metrics << line << '\n';
       metrics.flush();
     }

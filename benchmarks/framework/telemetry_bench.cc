@@ -15,7 +15,6 @@
 // A/B (benchmarks/e2e/telemetry_overhead.py) measures the same thing end to
 // end where the machine is quiet enough to resolve it.
 #include <ATen/ATen.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <chrono>
@@ -53,15 +52,6 @@ double MedianMs(int64_t reps, const std::function<void()>& f) {
   }
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
-}
-
-std::string Line(const moefit::proto::StepMetrics& m) {
-  std::string line;
-  google::protobuf::util::JsonPrintOptions jo;
-  jo.preserve_proto_field_names = true;
-  jo.always_print_primitive_fields = true;
-  (void)google::protobuf::util::MessageToJsonString(m, &line, jo);
-  return line;
 }
 
 }  // namespace
@@ -150,20 +140,21 @@ int main(int argc, char** argv) {
     stats.moe_layers.clear();
     telemetry.EndStep(&stats);
   });
-  proto::StepMetrics plain, full;
-  for (const framework::LayerLoad& ll : stats.moe_layers) {
-    for (auto* m : {&plain, &full}) {
-      proto::LayerLoad* pl = m->add_moe_layers();
-      for (int64_t c : ll.tokens_per_expert) pl->add_tokens_per_expert(c);
-      pl->set_max_over_mean(ll.max_over_mean);
-    }
-    proto::LayerLoad* pl = full.mutable_moe_layers(full.moe_layers_size() - 1);
-    pl->set_cv(ll.cv);
-    for (double d : ll.decayed_load) pl->add_decayed_load(static_cast<float>(d));
-    pl->set_router_entropy(ll.router_entropy);
-    if (ll.balance_loss) pl->set_balance_loss(*ll.balance_loss);
+  // The metrics line as the trainer writes it, with the telemetry's figures
+  // and without them (what a run with routing telemetry off has).
+  framework::TrainOptions with = run->train, without = run->train;
+  with.routing_telemetry = true;
+  framework::StepStats plain_stats = stats;
+  for (framework::LayerLoad& ll : plain_stats.moe_layers) {
+    ll.cv = 0;
+    ll.decayed_load.clear();
+    ll.router_entropy = 0;
+    ll.balance_loss.reset();
   }
-  const double metrics = MedianMs(reps, [&] { Line(full); }) - MedianMs(reps, [&] { Line(plain); });
+  const proto::StepMetrics full = framework::StepMetricsOf(stats, with, 0, 0);
+  const proto::StepMetrics plain = framework::StepMetricsOf(plain_stats, without, 0, 0);
+  const double metrics = MedianMs(reps, [&] { (void)framework::MetricsLine(full); }) -
+                         MedianMs(reps, [&] { (void)framework::MetricsLine(plain); });
   const std::filesystem::path dir =
       std::filesystem::temp_directory_path() / ("telemetry_bench_" + std::to_string(::getpid()));
   auto tb = framework::TensorBoardWriter::Open(dir / "tb", 1);

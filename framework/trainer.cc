@@ -375,24 +375,23 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
     if (!w.ok()) return w.status();
     tensorboard = *std::move(w);
   }
-  // The expert map of a step: into its PNG file (and `final` into
-  // expert-map.png) and, given a summary, into TensorBoard.
+  // The expert map of a step: into its PNG file and, given a summary, into
+  // TensorBoard; the last one drawn is kept for expert-map.png.
   int64_t last_map_step = 0;
-  auto draw_map = [&](const StepStats& st, bool final,
-                      tensorboard::Summary* summary) -> absl::Status {
+  std::string last_map_png;
+  auto draw_map = [&](const StepStats& st, tensorboard::Summary* summary) -> absl::Status {
     absl::StatusOr<RgbImage> image = DrawExpertMap(StepExpertMap(st));
     if (!image.ok()) return image.status();
     absl::StatusOr<std::string> png = EncodePng(*image);
     if (!png.ok()) return png.status();
     if (!o.expert_map_dir.empty()) {
       const std::filesystem::path dir(o.expert_map_dir);
-      absl::Status s =
-          WriteTextFile(dir / absl::StrFormat("expert-map-step-%08d.png", st.step), *png);
-      if (s.ok() && final) s = WriteTextFile(dir / "expert-map.png", *png);
-      if (!s.ok()) return s;
+      MOEFIT_RETURN_IF_ERROR(
+          WriteTextFile(dir / absl::StrFormat("expert-map-step-%08d.png", st.step), *png));
     }
     if (summary != nullptr) AddPngImage(summary, "expert_map", *png, image->width, image->height);
     last_map_step = st.step;
+    last_map_png = *std::move(png);
     return absl::OkStatus();
   };
   std::vector<StepStats> all;
@@ -420,9 +419,7 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       tensorboard::Summary summary;
       if (tensorboard != nullptr) summary = StepSummary(st, tok_s);
       if (o.expert_map_every_steps > 0 && st.step % o.expert_map_every_steps == 0) {
-        absl::Status s =
-            draw_map(st, st.step == o.steps, tensorboard != nullptr ? &summary : nullptr);
-        if (!s.ok()) return s;
+        MOEFIT_RETURN_IF_ERROR(draw_map(st, tensorboard != nullptr ? &summary : nullptr));
       }
       if (tensorboard != nullptr) {
         absl::Status s = tensorboard->Write(st.step, summary);
@@ -437,14 +434,19 @@ absl::StatusOr<std::vector<StepStats>> Trainer::Run(
       if (*stop) break;
     }
   }
-  // The map of the last step, as expert-map.png, unless it was drawn as such.
-  if (rank0 && o.expert_map_every_steps > 0 && !all.empty() &&
-      !(last_map_step == all.back().step && all.back().step == o.steps)) {
-    tensorboard::Summary summary;
-    const bool new_image = last_map_step != all.back().step && tensorboard != nullptr;
-    absl::Status s = draw_map(all.back(), /*final=*/true, new_image ? &summary : nullptr);
-    if (s.ok() && new_image) s = tensorboard->Write(all.back().step, summary);
-    if (!s.ok()) return s;
+  // The map of the last step, drawn unless it already was, as expert-map.png.
+  if (rank0 && o.expert_map_every_steps > 0 && !all.empty()) {
+    if (last_map_step != all.back().step) {
+      tensorboard::Summary summary;
+      MOEFIT_RETURN_IF_ERROR(draw_map(all.back(), tensorboard != nullptr ? &summary : nullptr));
+      if (tensorboard != nullptr) {
+        MOEFIT_RETURN_IF_ERROR(tensorboard->Write(all.back().step, summary));
+      }
+    }
+    if (!o.expert_map_dir.empty()) {
+      MOEFIT_RETURN_IF_ERROR(
+          WriteTextFile(std::filesystem::path(o.expert_map_dir) / "expert-map.png", last_map_png));
+    }
   }
   return all;
 }

@@ -120,12 +120,9 @@ ExpertMemory ComputeExpertMemory(const framework::MoeModel& model) {
   for (const at::Tensor& t : model.expert_copies())
     m.tensor_bytes += static_cast<int64_t>(t.nbytes());
   m.pack_bytes = model.expert_pack_bytes();
-  const framework::ModelOptions& o = model.options();
-  int64_t num_moe_layers = 0;
-  for (int64_t l = 0; l < o.num_hidden_layers; ++l) num_moe_layers += o.IsMoeLayer(l) ? 1 : 0;
+  const framework::ParameterCounts c = framework::CountParameters(model.options());
   const int ep_rank = model.runtime().expert_group ? model.runtime().expert_group->rank() : 0;
-  m.num_params = model.placement().num_local(ep_rank) * num_moe_layers * 3 * o.hidden_size *
-                 o.moe_intermediate_size;
+  m.num_params = model.placement().num_local(ep_rank) * c.num_moe_layers * c.per_expert;
   return m;
 }
 

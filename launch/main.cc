@@ -384,14 +384,9 @@ int PlanCommand(const Args& args) {
     return kExitBadInput;
   }
   const std::string dtype = absl::GetFlag(FLAGS_expert_dtype);
-  if (dtype == "fp32") {
-    in.expert_dtype = PlanDtype::kFp32;
-  } else if (dtype == "bf16") {
-    in.expert_dtype = PlanDtype::kBf16;
-  } else if (dtype == "fp8") {
-    in.expert_dtype = PlanDtype::kFp8;
-  } else if (dtype == "int4") {
-    in.expert_dtype = PlanDtype::kInt4;
+  const auto* named = std::find(std::begin(kPlanDtypeNames), std::end(kPlanDtypeNames), dtype);
+  if (named != std::end(kPlanDtypeNames)) {
+    in.expert_dtype = static_cast<PlanDtype>(named - std::begin(kPlanDtypeNames));
   } else {
     std::cerr << "moefit: --expert-dtype = '" << dtype << "' must be fp32, bf16, fp8 or int4"
               << std::endl;

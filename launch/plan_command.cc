@@ -44,20 +44,6 @@ constexpr int64_t kGpuReserveGiB = 4;
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-const char* DtypeName(PlanDtype d) {
-  switch (d) {
-    case PlanDtype::kFp32:
-      return "fp32";
-    case PlanDtype::kBf16:
-      return "bf16";
-    case PlanDtype::kFp8:
-      return "fp8";
-    case PlanDtype::kInt4:
-      return "int4";
-  }
-  return "?";
-}
-
 // Bytes per stored routed-expert weight of the byte-sized dtypes (fp8's
 // block scales come on top; int4 is sized by Int4MatrixBytes).
 int64_t WeightBytes(PlanDtype d) {
@@ -346,7 +332,7 @@ nlohmann::json ToJson(const std::string& path, const ModelOptions& o, const Plan
                  {"gpu_gib", in.gpu_gib},
                  {"mode", in.mode == PlanMode::kFull ? "full" : "lora"},
                  {"lora_rank", in.lora_rank},
-                 {"expert_dtype", DtypeName(in.expert_dtype)},
+                 {"expert_dtype", PlanDtypeName(in.expert_dtype)},
                  {"seq_len", in.seq_len},
                  {"micro_batch", in.micro_batch},
                  {"packed_weight_gb", in.packed_weight_gib},
@@ -399,7 +385,7 @@ nlohmann::json ToJson(const std::string& path, const ModelOptions& o, const Plan
 void PrintText(const std::string& path, const ModelOptions& o, const PlanInputs& in, const Plan& p,
                std::ostream& out) {
   const bool full = in.mode == PlanMode::kFull;
-  const char* dtype = DtypeName(in.expert_dtype);
+  const char* dtype = PlanDtypeName(in.expert_dtype);
   const framework::ParameterCounts& c = p.params;
   out << absl::StrFormat(
       "moefit plan: %s\n"

@@ -36,6 +36,10 @@ enum class PlanMode { kFull, kLora };
 // Kimi-K2-Thinking and Kimi-K2.5 ship) can only be frozen.
 enum class PlanDtype { kFp32, kBf16, kFp8, kInt4 };
 
+// --expert-dtype's names, in the enum's order: "fp32", "bf16", "fp8", "int4".
+inline constexpr const char* kPlanDtypeNames[] = {"fp32", "bf16", "fp8", "int4"};
+inline const char* PlanDtypeName(PlanDtype d) { return kPlanDtypeNames[static_cast<int>(d)]; }
+
 // The expert kernels' instruction set on the nodes: it sets how large the
 // kernels' kept packs of the frozen weights are. From avx512_bf16 up they
 // multiply bfloat16 pairs, and a pack holds 2 bytes per bfloat16 or int4

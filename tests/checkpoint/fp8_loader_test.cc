@@ -28,6 +28,7 @@
 #include "checkpoint/safetensors_index.h"
 #include "checkpoint/tensor_io.h"
 #include "checkpoint/weight_loader.h"
+#include "tests/checkpoint/loader_test_util.h"
 
 namespace moefit::checkpoint {
 namespace {
@@ -50,13 +51,6 @@ const std::string kMtp = "model.layers.1.";  // the MTP module after one decoder
 
 std::string Expert(int64_t expert_idx, const std::string& proj) {
   return kLayer + "mlp.experts." + std::to_string(expert_idx) + "." + proj + ".weight";
-}
-
-bool SameBytes(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor ca = a.contiguous();
-  const at::Tensor cb = b.contiguous();
-  return std::memcmp(ca.const_data_ptr(), cb.const_data_ptr(), ca.nbytes()) == 0;
 }
 
 // Random FP8 weight [rows, cols] and a positive scale per block.
@@ -414,15 +408,7 @@ TEST_F(Fp8LoaderTest, BlockSizeComesFromTheOptions) {
 
 TEST_F(Fp8LoaderTest, RulesWithoutAFusedPathWidenFp8First) {
   // A transposing rule goes through the reference ops, on the widened source.
-  absl::StatusOr<MappingTable> table = ParseMappingTable(R"pb(
-                                                           family: "test"
-                                                           rule {
-                                                             source: "w.weight"
-                                                             target: "w_t"
-                                                             op { transpose { dim0: 0 dim1: 1 } }
-                                                           }
-                                                         )pb",
-                                                         "test.textproto");
+  absl::StatusOr<MappingTable> table = TransposingTable();
   ASSERT_TRUE(table.ok()) << table.status();
   at::manual_seed(3);
   auto [weight, scale] = RandomFp8(kQRank, kHidden);
@@ -459,20 +445,12 @@ TEST_F(Fp8LoaderTest, DequantizesIntoDestinations) {
   for (const auto& [name, dst] : options.destinations) {
     EXPECT_TRUE(slice->at(name).is_same(dst)) << name;
     const at::Tensor& t = full->at(name);
-    EXPECT_TRUE(SameBytes(dst, name.find(".mlp.experts.") != std::string::npos ? t.narrow(0, 2, 2)
-                                                                               : t))
+    EXPECT_TRUE(
+        SameBytes(dst, name.find(".mlp.experts.") != std::string::npos ? t.narrow(0, 2, 2) : t))
         << name;
   }
 
-  absl::StatusOr<MappingTable> table = ParseMappingTable(R"pb(
-                                                           family: "test"
-                                                           rule {
-                                                             source: "w.weight"
-                                                             target: "w_t"
-                                                             op { transpose { dim0: 0 dim1: 1 } }
-                                                           }
-                                                         )pb",
-                                                         "test.textproto");
+  absl::StatusOr<MappingTable> table = TransposingTable();
   ASSERT_TRUE(table.ok()) << table.status();
   std::filesystem::remove_all(dir_);
   std::filesystem::create_directories(dir_);
@@ -480,10 +458,9 @@ TEST_F(Fp8LoaderTest, DequantizesIntoDestinations) {
   auto [weight, scale] = RandomFp8(kQRank, kHidden);
   Write({NamedTensors{{"w.weight", weight}, {"w.weight_scale_inv", scale}}});
   at::Tensor w_t = at::empty({kHidden, kQRank}, at::kBFloat16);
-  absl::StatusOr<TensorMap> loaded =
-      LoadCheckpoint(dir_, *table,
-                     {.expected = {{"w_t", {{kHidden, kQRank}, at::kBFloat16}}},
-                      .destinations = {{"w_t", w_t}}});
+  absl::StatusOr<TensorMap> loaded = LoadCheckpoint(
+      dir_, *table,
+      {.expected = {{"w_t", {{kHidden, kQRank}, at::kBFloat16}}}, .destinations = {{"w_t", w_t}}});
   ASSERT_TRUE(loaded.ok()) << loaded.status();
   EXPECT_TRUE(loaded->at("w_t").is_same(w_t));
   absl::StatusOr<at::Tensor> ref =

@@ -35,6 +35,7 @@
 #include "checkpoint/safetensors_index.h"
 #include "checkpoint/tensor_io.h"
 #include "checkpoint/weight_loader.h"
+#include "tests/checkpoint/loader_test_util.h"
 
 namespace moefit::checkpoint {
 namespace {
@@ -56,13 +57,6 @@ std::string Expert(int64_t expert_idx, const std::string& proj) {
 const std::string kShared = kLayer + "mlp.shared_experts.gate_proj.weight";
 const std::string kGateUp = kLayer + "mlp.experts.gate_up_proj";
 const std::string kDown = kLayer + "mlp.experts.down_proj";
-
-bool SameBytes(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor ca = a.contiguous();
-  const at::Tensor cb = b.contiguous();
-  return std::memcmp(ca.const_data_ptr(), cb.const_data_ptr(), ca.nbytes()) == 0;
-}
 
 // One quantized Linear as the test made it, before packing.
 struct Int4Linear {
@@ -628,15 +622,7 @@ TEST(Int4Test, ShapeErrorsSayWhatDoesNotFit) {
 // The reference ops, for a rule without a fused path, see an int4 source
 // widened first.
 TEST(Int4LoaderRules, RulesWithoutAFusedPathDequantizeFirst) {
-  absl::StatusOr<MappingTable> table = ParseMappingTable(R"pb(
-                                                           family: "test"
-                                                           rule {
-                                                             source: "w.weight"
-                                                             target: "w_t"
-                                                             op { transpose { dim0: 0 dim1: 1 } }
-                                                           }
-                                                         )pb",
-                                                         "test.textproto");
+  absl::StatusOr<MappingTable> table = TransposingTable();
   ASSERT_TRUE(table.ok()) << table.status();
   at::manual_seed(9);
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) / "moefit_int4_t";

@@ -30,6 +30,7 @@
 #include "checkpoint/tensor_io.h"
 #include "checkpoint/weight_exporter.h"
 #include "checkpoint/weight_loader.h"
+#include "tests/checkpoint/loader_test_util.h"
 
 namespace moefit::checkpoint {
 namespace {
@@ -163,13 +164,6 @@ TensorMap ReadAll(const std::filesystem::path& dir) {
     }
   }
   return out;
-}
-
-bool SameBytes(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor ca = a.contiguous();
-  const at::Tensor cb = b.contiguous();
-  return std::memcmp(ca.const_data_ptr(), cb.const_data_ptr(), ca.nbytes()) == 0;
 }
 
 void ExpectSameTensors(const TensorMap& actual, const NamedTensors& expected) {
